@@ -1,0 +1,136 @@
+/*
+ * Batched scaled-dot-product attention: BLAS for Q.K^T and P.V tiles, our own
+ * softmax row operations, one OpenMP team over (batch item, query block) tasks.
+ */
+#define _POSIX_C_SOURCE 200112L
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "fastattn.h"
+#include "fa_rowops.h"
+
+/* ------------------------------------------------------------------ BLAS */
+
+static fa_sgemm_fn g_sgemm = NULL;
+static fa_dgemm_fn g_dgemm = NULL;
+static fa_blas_set_threads_fn g_blas_set_threads = NULL;
+
+void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads)
+{
+    g_sgemm = sgemm;
+    g_dgemm = dgemm;
+    g_blas_set_threads = set_threads;
+}
+
+/* BLAS is held at one thread while a team of ours runs.  Calls may overlap
+ * (an app's threads call in concurrently), so the first one in saves the
+ * library's setting and the last one out restores it. */
+static pthread_mutex_t g_blas_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_blas_users = 0;
+static int g_blas_saved = -1;
+
+static int fa_blas_threads_enter(void)
+{
+    if (!g_blas_set_threads)
+        return 0;
+    pthread_mutex_lock(&g_blas_lock);
+    if (g_blas_users++ == 0)
+        g_blas_saved = g_blas_set_threads(1);
+    pthread_mutex_unlock(&g_blas_lock);
+    return 0;
+}
+
+static void fa_blas_threads_exit(int unused)
+{
+    (void)unused;
+    if (!g_blas_set_threads)
+        return;
+    pthread_mutex_lock(&g_blas_lock);
+    if (--g_blas_users == 0 && g_blas_saved > 0)
+        g_blas_set_threads(g_blas_saved);
+    pthread_mutex_unlock(&g_blas_lock);
+}
+
+int fa_omp_max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* ----------------------------------------------------------- scratch arena */
+
+/* One grow-only buffer per thread, freed when the thread exits. */
+typedef struct {
+    void *p;
+    size_t size;
+} fa_arena_t;
+
+static pthread_key_t g_arena_key;
+static pthread_once_t g_arena_once = PTHREAD_ONCE_INIT;
+
+static void arena_free(void *x)
+{
+    fa_arena_t *a = (fa_arena_t *)x;
+    if (a) {
+        free(a->p);
+        free(a);
+    }
+}
+
+static void arena_init(void) { pthread_key_create(&g_arena_key, arena_free); }
+
+static void *fa_arena(size_t need)
+{
+    if (need == 0)
+        return NULL;
+    pthread_once(&g_arena_once, arena_init);
+    fa_arena_t *a = (fa_arena_t *)pthread_getspecific(g_arena_key);
+    if (!a) {
+        a = (fa_arena_t *)calloc(1, sizeof(*a));
+        if (!a)
+            return NULL;
+        pthread_setspecific(g_arena_key, a);
+    }
+    if (a->size < need) {
+        size_t grow = need + need / 4;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, grow) != 0)
+            return NULL;
+        free(a->p);
+        a->p = p;
+        a->size = grow;
+    }
+    return a->p;
+}
+
+/* --------------------------------------------------------- instantiations */
+
+static inline float ops_rowmax_f32(const fa_rowops *o, const float *x, int64_t n) { return o->rowmax_f32(x, n); }
+static inline double ops_rowmax_f64(const fa_rowops *o, const double *x, int64_t n) { return o->rowmax_f64(x, n); }
+static inline float ops_expsub_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->expsub_sum_f32(x, n, m); }
+static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_sum_f64(x, n, m); }
+static inline float expo_f32(float x) { return expf(x); }
+static inline double expo_f64(double x) { return exp(x); }
+
+#define REAL float
+#define SFX f32
+#define GEMM g_sgemm
+#include "fa_sdpa_impl.h"
+#undef REAL
+#undef SFX
+#undef GEMM
+
+#define REAL double
+#define SFX f64
+#define GEMM g_dgemm
+#include "fa_sdpa_impl.h"
+#undef REAL
+#undef SFX
+#undef GEMM

@@ -1,0 +1,258 @@
+/*
+ * Scaled-dot-product attention kernel body, instantiated once per precision
+ * by fa_sdpa.c with REAL, SFX and GEMM defined.  Not a public header.
+ */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+/* Row-major C (M x N, ldc) = alpha * op(A) . op(B) + beta * C through a
+ * column-major BLAS: compute C^T = op(B)^T . op(A)^T. */
+static void FN(rm_gemm)(char ta, char tb, int64_t M, int64_t N, int64_t K, REAL alpha,
+                        const REAL *A, int64_t lda, const REAL *B, int64_t ldb,
+                        REAL beta, REAL *C, int64_t ldc)
+{
+    int m = (int)N, n = (int)M, k = (int)K;
+    int ia = (int)ldb, ib = (int)lda, ic = (int)ldc;
+    GEMM(&tb, &ta, &m, &n, &k, &alpha, (REAL *)B, &ia, (REAL *)A, &ib, &beta, C, &ic);
+}
+
+/* Offset (in elements) of batch item t for an array with batch strides bs. */
+static inline int64_t FN(batch_off)(const fa_sdpa_args *a, const int64_t *bs, int64_t t)
+{
+    int64_t off = 0;
+    for (int i = a->nbatch - 1; i >= 0; i--) {
+        int64_t n = a->batch_shape[i];
+        int64_t idx = t % n;
+        t /= n;
+        off += idx * bs[i];
+    }
+    return off;
+}
+
+/* Apply mask and causal limit to the tile row s[0..n) of query row gi, keys j0..j0+n. */
+static inline void FN(mask_row)(const fa_sdpa_args *a, const unsigned char *mb, const REAL *bb,
+                                REAL *s, int64_t gi, int64_t j0, int64_t n)
+{
+    if (mb) {
+        const unsigned char *mr = mb + gi * a->ldm + j0;
+        for (int64_t c = 0; c < n; c++)
+            s[c] = mr[c] ? s[c] : (REAL)(-INFINITY);
+    } else if (bb) {
+        const REAL *br = bb + gi * a->ldm + j0;
+        for (int64_t c = 0; c < n; c++)
+            s[c] += br[c];
+    }
+    if (a->causal) {
+        int64_t lim = gi + a->causal_offset - j0;  /* last allowed column */
+        for (int64_t c = lim < 0 ? 0 : lim + 1; c < n; c++)
+            s[c] = (REAL)(-INFINITY);
+    }
+}
+
+/* 1 when no (query row, key) pair of the tile is allowed by a boolean mask. */
+static inline int FN(tile_masked_out)(const fa_sdpa_args *a, const unsigned char *mb,
+                                      int64_t i0, int64_t m, int64_t j0, int64_t n)
+{
+    int64_t rows = a->ldm == 0 ? 1 : m;
+    for (int64_t r = 0; r < rows; r++) {
+        const unsigned char *mr = mb + (i0 + r) * a->ldm + j0;
+        for (int64_t c = 0; c < n; c++)
+            if (mr[c])
+                return 0;
+    }
+    return 1;
+}
+
+static inline void FN(scale_row)(REAL *x, int64_t n, REAL f)
+{
+    for (int64_t c = 0; c < n; c++)
+        x[c] *= f;
+}
+
+/* Exclusive end of the keys any row in [i0, i0+m) may see. */
+static inline int64_t FN(key_end)(const fa_sdpa_args *a, int64_t i0, int64_t m)
+{
+    int64_t kend = a->Lk;
+    if (a->causal) {
+        int64_t lim = i0 + m - 1 + a->causal_offset + 1;
+        if (lim < kend)
+            kend = lim;
+        if (kend < 0)
+            kend = 0;
+    }
+    return kend;
+}
+
+/* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
+static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int64_t i0,
+                     int64_t m, REAL *scratch)
+{
+    const REAL *Q = (const REAL *)a->q + FN(batch_off)(a, a->q_bs, b) + i0 * a->ldq;
+    const REAL *K = (const REAL *)a->k + FN(batch_off)(a, a->k_bs, b);
+    const REAL *V = (const REAL *)a->v + FN(batch_off)(a, a->v_bs, b);
+    REAL *O = (REAL *)a->out + FN(batch_off)(a, a->o_bs, b) + i0 * a->ldo;
+    const unsigned char *mb = NULL;
+    const REAL *bb = NULL;
+    if (a->mask_kind == FA_MASK_BOOL)
+        mb = (const unsigned char *)a->mask + FN(batch_off)(a, a->m_bs, b);
+    else if (a->mask_kind == FA_MASK_ADD)
+        bb = (const REAL *)a->mask + FN(batch_off)(a, a->m_bs, b);
+    REAL *W = a->weights ? (REAL *)a->weights + FN(batch_off)(a, a->w_bs, b) + i0 * a->ldw : NULL;
+    const REAL scale = (REAL)a->scale;
+    const int64_t dv = a->dv;
+    const int64_t kend = FN(key_end)(a, i0, m);
+
+    if (kend == 0) {  /* every row fully masked by causality, or no keys */
+        for (int64_t r = 0; r < m; r++) {
+            memset(O + r * a->ldo, 0, (size_t)dv * sizeof(REAL));
+            if (W)
+                memset(W + r * a->ldw, 0, (size_t)a->Lk * sizeof(REAL));
+        }
+        return;
+    }
+
+    if (W || a->path == FA_PATH_SINGLE) {
+        /* Whole key row at once: exact two-pass softmax. */
+        REAL *S = W ? W : scratch;
+        int64_t lds = W ? a->ldw : kend;
+        FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
+        for (int64_t r = 0; r < m; r++) {
+            REAL *s = S + r * lds;
+            FN(mask_row)(a, mb, bb, s, i0 + r, 0, kend);
+            REAL mx = FN(ops_rowmax)(ops, s, kend);
+            REAL l = FN(ops_expsub)(ops, s, kend, mx == (REAL)(-INFINITY) ? (REAL)0 : mx);
+            REAL inv = l == (REAL)0 ? (REAL)0 : (REAL)1 / l;
+            if (W) {
+                FN(scale_row)(s, kend, inv);
+                if (kend < a->Lk)
+                    memset(s + kend, 0, (size_t)(a->Lk - kend) * sizeof(REAL));
+            } else {
+                /* normalise the output row instead of P; remember 1/l in place of s[0..) */
+                scratch[m * kend + r] = inv;
+            }
+        }
+        FN(rm_gemm)('N', 'N', m, dv, kend, (REAL)1, S, lds, V, a->ldv, (REAL)0, O, a->ldo);
+        if (!W)
+            for (int64_t r = 0; r < m; r++)
+                FN(scale_row)(O + r * a->ldo, dv, scratch[m * kend + r]);
+        return;
+    }
+
+    /* Streaming: key tiles with a running max and sum per query row; the
+     * output rows themselves are the accumulator. */
+    const int64_t bk = a->block_k;
+    REAL *S = scratch;                 /* m x bk */
+    REAL *Mx = scratch + m * bk;       /* running max */
+    REAL *Ls = Mx + m;                 /* running sum */
+    for (int64_t r = 0; r < m; r++) {
+        Mx[r] = (REAL)(-INFINITY);
+        Ls[r] = (REAL)0;
+    }
+    int started = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        int64_t n = kend - j0 < bk ? kend - j0 : bk;
+        if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
+            continue;
+        FN(rm_gemm)('N', 'T', m, n, a->d, scale, Q, a->ldq, K + j0 * a->ldk, a->ldk, (REAL)0, S, bk);
+        for (int64_t r = 0; r < m; r++) {
+            REAL *s = S + r * bk;
+            FN(mask_row)(a, mb, bb, s, i0 + r, j0, n);
+            REAL tmax = FN(ops_rowmax)(ops, s, n);
+            REAL mold = Mx[r];
+            REAL mnew = tmax > mold ? tmax : mold;
+            if (started && mnew > mold) {
+                REAL alpha = (REAL)FN(expo)(mold - mnew);
+                Ls[r] *= alpha;
+                FN(scale_row)(O + r * a->ldo, dv, alpha);
+            }
+            Mx[r] = mnew;
+            Ls[r] += FN(ops_expsub)(ops, s, n, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
+        }
+        FN(rm_gemm)('N', 'N', m, dv, n, (REAL)1, S, bk, V + j0 * a->ldv, a->ldv,
+                    started ? (REAL)1 : (REAL)0, O, a->ldo);
+        started = 1;
+    }
+    if (!started) {
+        for (int64_t r = 0; r < m; r++)
+            memset(O + r * a->ldo, 0, (size_t)dv * sizeof(REAL));
+        return;
+    }
+    for (int64_t r = 0; r < m; r++)
+        FN(scale_row)(O + r * a->ldo, dv, Ls[r] == (REAL)0 ? (REAL)0 : (REAL)1 / Ls[r]);
+}
+
+/* Scratch elements one task needs. */
+static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
+{
+    int64_t m = a->block_q;
+    if (a->weights)
+        return 0;
+    if (a->path == FA_PATH_SINGLE)
+        return m * a->Lk + m;
+    return m * a->block_k + 2 * m;
+}
+
+int FN(fa_sdpa)(const fa_sdpa_args *a)
+{
+    if (!GEMM || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
+        return FA_EINVAL;
+    int64_t nbatch = 1;
+    for (int i = 0; i < a->nbatch; i++)
+        nbatch *= a->batch_shape[i];
+    const int64_t nqb = (a->Lq + a->block_q - 1) / a->block_q;
+    const int64_t ntasks = nbatch * nqb;
+    if (ntasks == 0)
+        return FA_OK;
+    const fa_rowops *ops = fa_get_rowops();
+    const size_t need = (size_t)FN(scratch_elems)(a) * sizeof(REAL);
+    /* with top-left causality later query blocks carry more work: hand them out first */
+    const int reverse = a->causal;
+    int nt = a->n_threads;
+    if (nt > ntasks)
+        nt = (int)ntasks;
+    int status = FA_OK;
+
+    if (nt == 1) {
+        REAL *scratch = (REAL *)fa_arena(need);
+        if (need && !scratch)
+            return FA_ENOMEM;
+        for (int64_t t = 0; t < ntasks; t++) {
+            int64_t b = t / nqb, qb = t % nqb;
+            if (reverse)
+                qb = nqb - 1 - qb;
+            int64_t i0 = qb * a->block_q;
+            int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
+            FN(task)(a, ops, b, i0, m, scratch);
+        }
+        return FA_OK;
+    }
+
+    int prev = fa_blas_threads_enter();
+#pragma omp parallel num_threads(nt)
+    {
+        REAL *scratch = (REAL *)fa_arena(need);
+        int ok = !(need && !scratch);
+        if (!ok) {
+#pragma omp atomic write
+            status = FA_ENOMEM;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntasks; t++) {
+            if (!ok)
+                continue;
+            int64_t b = t / nqb, qb = t % nqb;
+            if (reverse)
+                qb = nqb - 1 - qb;
+            int64_t i0 = qb * a->block_q;
+            int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
+            FN(task)(a, ops, b, i0, m, scratch);
+        }
+    }
+    fa_blas_threads_exit(prev);
+    return status;
+}
+
+#undef FN
+#undef CAT
+#undef CAT_

@@ -1,0 +1,332 @@
+/*
+ * exp and softmax row operations: portable scalar code plus AVX2/FMA code
+ * selected at run time.  No -ffast-math anywhere: masked scores are IEEE -inf
+ * and must give exactly 0, NaN must propagate.
+ *
+ * Vector exp (both precisions): n = rint(x / ln2), r = x - n*ln2 (Cody-Waite,
+ * two constants, FMA), exp(r) by a polynomial on |r| <= ln2/2, then scaled by
+ * 2^n in two steps so that subnormal results are rounded once and overflow
+ * gives +inf.  Inputs are clamped first so -inf -> 0 exactly, and the clamp is
+ * written so a NaN input stays NaN.
+ */
+#include <math.h>
+#include <string.h>
+#include "fastattn.h"
+#include "fa_rowops.h"
+
+/* ------------------------------------------------------------------ scalar */
+
+static float rowmax_f32_scalar(const float *x, int64_t n)
+{
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+static double rowmax_f64_scalar(const double *x, int64_t n)
+{
+    double m = -INFINITY;
+    for (int64_t j = 0; j < n; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+static float expsub_sum_f32_scalar(float *x, int64_t n, float m)
+{
+    float s = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        float e = expf(x[j] - m);
+        x[j] = e;
+        s += e;
+    }
+    return s;
+}
+
+static double expsub_sum_f64_scalar(double *x, int64_t n, double m)
+{
+    double s = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        double e = exp(x[j] - m);
+        x[j] = e;
+        s += e;
+    }
+    return s;
+}
+
+static void exp_f32_scalar(const float *x, float *y, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        y[j] = expf(x[j]);
+}
+
+static void exp_f64_scalar(const double *x, double *y, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        y[j] = exp(x[j]);
+}
+
+static const fa_rowops scalar_ops = {
+    rowmax_f32_scalar, rowmax_f64_scalar,
+    expsub_sum_f32_scalar, expsub_sum_f64_scalar,
+    exp_f32_scalar, exp_f64_scalar,
+};
+
+/* ------------------------------------------------------------------- AVX2 */
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define FA_HAVE_AVX2_CODE 1
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline __m256 exp8_f32(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-110.0f);
+    const __m256 hi = _mm256_set1_ps(89.0f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
+    const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    /* max/min with the constant first: a NaN x is returned unchanged */
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    /* Cephes expf polynomial: exp(r) = 1 + r + r^2 * P(r) */
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+    /* scale by 2^n as 2^n1 * 2^n2, each a normal number */
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(e, s1), s2);
+}
+
+AVX2 static inline __m256d exp4_f64(__m256d x)
+{
+    const __m256d lo = _mm256_set1_pd(-750.0);
+    const __m256d hi = _mm256_set1_pd(710.0);
+    const __m256d log2e = _mm256_set1_pd(1.4426950408889634074);
+    const __m256d ln2_hi = _mm256_set1_pd(6.93147180369123816490e-01);
+    const __m256d ln2_lo = _mm256_set1_pd(1.90821492927058770002e-10);
+    x = _mm256_min_pd(hi, _mm256_max_pd(lo, x));
+    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, log2e),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, ln2_hi, x);
+    r = _mm256_fnmadd_pd(n, ln2_lo, r);
+    /* Taylor series to r^13 (|r| <= 0.347: truncation < 1e-17 relative) */
+    __m256d p = _mm256_set1_pd(1.0 / 6227020800.0);           /* 1/13! */
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 479001600.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 39916800.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 3628800.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 362880.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 40320.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 5040.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 720.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 120.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6.0));
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+    __m256d r2 = _mm256_mul_pd(r, r);
+    __m256d e = _mm256_add_pd(_mm256_fmadd_pd(p, r2, r), _mm256_set1_pd(1.0));
+    /* 2^n1 * 2^n2 built from 32-bit integers widened to 64 */
+    __m128i ni = _mm256_cvtpd_epi32(n);
+    __m128i n1 = _mm_srai_epi32(ni, 1);
+    __m128i n2 = _mm_sub_epi32(ni, n1);
+    __m256i b1 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), _mm256_set1_epi64x(1023)), 52);
+    __m256i b2 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(_mm256_mul_pd(e, _mm256_castsi256_pd(b1)), _mm256_castsi256_pd(b2));
+}
+
+AVX2 static float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static double hsum4(__m256d v)
+{
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+
+AVX2 static float hmax8(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static double hmax4(__m256d v)
+{
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_max_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+
+/* _mm256_max_ps(x, m) returns m when x is NaN: NaN is ignored, as in the scalar loop */
+AVX2 static float rowmax_f32_avx2(const float *x, int64_t n)
+{
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + j), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + j + 8), m1);
+    }
+    for (; j + 8 <= n; j += 8)
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + j), m0);
+    float m = hmax8(_mm256_max_ps(m0, m1));
+    for (; j < n; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+AVX2 static double rowmax_f64_avx2(const double *x, int64_t n)
+{
+    __m256d m0 = _mm256_set1_pd(-INFINITY), m1 = m0;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        m0 = _mm256_max_pd(_mm256_loadu_pd(x + j), m0);
+        m1 = _mm256_max_pd(_mm256_loadu_pd(x + j + 4), m1);
+    }
+    for (; j + 4 <= n; j += 4)
+        m0 = _mm256_max_pd(_mm256_loadu_pd(x + j), m0);
+    double m = hmax4(_mm256_max_pd(m0, m1));
+    for (; j < n; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
+{
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8_f32(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+        _mm256_storeu_ps(x + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (j < n) {
+        float buf[8];
+        int64_t t = n - j;
+        for (int i = 0; i < 8; i++)
+            buf[i] = i < t ? x[j + i] - m : -INFINITY;
+        __m256 e = exp8_f32(_mm256_loadu_ps(buf));
+        _mm256_storeu_ps(buf, e);
+        acc = _mm256_add_ps(acc, e);
+        memcpy(x + j, buf, (size_t)t * sizeof(float));
+    }
+    return hsum8(acc);
+}
+
+AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
+{
+    const __m256d vm = _mm256_set1_pd(m);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256d e = exp4_f64(_mm256_sub_pd(_mm256_loadu_pd(x + j), vm));
+        _mm256_storeu_pd(x + j, e);
+        acc = _mm256_add_pd(acc, e);
+    }
+    if (j < n) {
+        double buf[4];
+        int64_t t = n - j;
+        for (int i = 0; i < 4; i++)
+            buf[i] = i < t ? x[j + i] - m : -INFINITY;
+        __m256d e = exp4_f64(_mm256_loadu_pd(buf));
+        _mm256_storeu_pd(buf, e);
+        acc = _mm256_add_pd(acc, e);
+        memcpy(x + j, buf, (size_t)t * sizeof(double));
+    }
+    return hsum4(acc);
+}
+
+AVX2 static void exp_f32_avx2(const float *x, float *y, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(y + j, exp8_f32(_mm256_loadu_ps(x + j)));
+    if (j < n) {
+        float buf[8] = {0};
+        int64_t t = n - j;
+        memcpy(buf, x + j, (size_t)t * sizeof(float));
+        _mm256_storeu_ps(buf, exp8_f32(_mm256_loadu_ps(buf)));
+        memcpy(y + j, buf, (size_t)t * sizeof(float));
+    }
+}
+
+AVX2 static void exp_f64_avx2(const double *x, double *y, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm256_storeu_pd(y + j, exp4_f64(_mm256_loadu_pd(x + j)));
+    if (j < n) {
+        double buf[4] = {0};
+        int64_t t = n - j;
+        memcpy(buf, x + j, (size_t)t * sizeof(double));
+        _mm256_storeu_pd(buf, exp4_f64(_mm256_loadu_pd(buf)));
+        memcpy(y + j, buf, (size_t)t * sizeof(double));
+    }
+}
+
+static const fa_rowops avx2_ops = {
+    rowmax_f32_avx2, rowmax_f64_avx2,
+    expsub_sum_f32_avx2, expsub_sum_f64_avx2,
+    exp_f32_avx2, exp_f64_avx2,
+};
+
+static int cpu_has_avx2_fma(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#else
+#define FA_HAVE_AVX2_CODE 0
+#endif
+
+/* --------------------------------------------------------------- dispatch */
+
+static int simd_disabled = 0;
+
+int fa_simd_compiled(void) { return FA_HAVE_AVX2_CODE; }
+
+int fa_simd_active(void)
+{
+#if FA_HAVE_AVX2_CODE
+    static int detected = -1;
+    if (detected < 0)
+        detected = cpu_has_avx2_fma();
+    return detected && !simd_disabled;
+#else
+    return 0;
+#endif
+}
+
+void fa_simd_set_disabled(int disable) { simd_disabled = disable != 0; }
+
+const fa_rowops *fa_get_rowops(void)
+{
+#if FA_HAVE_AVX2_CODE
+    if (fa_simd_active())
+        return &avx2_ops;
+#endif
+    return &scalar_ops;
+}
+
+void fa_exp_f32(const float *x, float *y, int64_t n) { fa_get_rowops()->exp_f32(x, y, n); }
+void fa_exp_f64(const double *x, double *y, int64_t n) { fa_get_rowops()->exp_f64(x, y, n); }

@@ -1,0 +1,105 @@
+/*
+ * fastattn C API.
+ *
+ * Plain C99 (+ OpenMP). Nothing here knows about Python: callers pass raw
+ * pointers, sizes and strides (in elements), preallocate outputs, and get a
+ * status code back.  BLAS is not linked: the caller hands over Fortran-ABI
+ * gemm function pointers (fastattn takes them from scipy.linalg.cython_blas).
+ */
+#ifndef FASTATTN_H
+#define FASTATTN_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes. */
+#define FA_OK 0
+#define FA_ENOMEM 1      /* scratch allocation failed */
+#define FA_EINVAL 2      /* inconsistent arguments (a caller bug) */
+
+#define FA_MAX_BATCH_DIMS 32
+
+/* Fortran-ABI BLAS gemm, as exported by scipy.linalg.cython_blas (blas_int = int). */
+typedef void (*fa_sgemm_fn)(char *transa, char *transb, int *m, int *n, int *k,
+                            float *alpha, float *a, int *lda, float *b, int *ldb,
+                            float *beta, float *c, int *ldc);
+typedef void (*fa_dgemm_fn)(char *transa, char *transb, int *m, int *n, int *k,
+                            double *alpha, double *a, int *lda, double *b, int *ldb,
+                            double *beta, double *c, int *ldc);
+
+/* Hook that sets the BLAS library's thread count and returns the previous one
+ * (OpenBLAS's openblas_set_num_threads_local has exactly this shape). */
+typedef int (*fa_blas_set_threads_fn)(int);
+
+/* Called once by the binding layer. */
+void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads);
+
+/* Mask kinds. */
+#define FA_MASK_NONE 0
+#define FA_MASK_BOOL 1   /* uint8: nonzero = may attend */
+#define FA_MASK_ADD 2    /* additive bias, same element type as q */
+
+/* Kernel paths (reported back in fa_sdpa_args.path_taken). */
+#define FA_PATH_SINGLE 1   /* whole key row per query block, exact two-pass softmax */
+#define FA_PATH_STREAM 2   /* key tiles with online (running max/sum) softmax */
+
+/*
+ * Batched scaled-dot-product attention.
+ *
+ * Logical shapes: q (batch..., Lq, d), k (batch..., Lk, d), v (batch..., Lk, dv),
+ * out (batch..., Lq, dv), optional weights (batch..., Lq, Lk), optional mask
+ * (batch..., Lq, Lk).  batch... has nbatch dims of sizes batch_shape[]; each
+ * array gives its own element stride for every batch dim (0 = broadcast).
+ * Within one batch item every array is row-major with contiguous rows:
+ * element (i, c) is at base + i*ld + c.  The mask's row stride may be 0
+ * (one key mask shared by all queries).
+ *
+ * A key j is allowed for query i when the mask allows it and, if causal,
+ * j <= i + causal_offset.  Rows with no allowed key produce zeros.
+ */
+typedef struct {
+    int nbatch;
+    const int64_t *batch_shape;
+    const int64_t *q_bs, *k_bs, *v_bs, *o_bs, *m_bs, *w_bs;   /* batch strides */
+    int64_t Lq, Lk, d, dv;
+    int64_t ldq, ldk, ldv, ldo, ldm, ldw;                     /* row strides */
+    const void *q, *k, *v;
+    const void *mask;          /* NULL when mask_kind == FA_MASK_NONE */
+    int mask_kind;
+    int causal;
+    int64_t causal_offset;
+    double scale;
+    void *out;
+    void *weights;             /* NULL unless weights are wanted */
+    /* plan */
+    int64_t block_q;           /* query rows per task */
+    int64_t block_k;           /* key rows per tile (streaming path) */
+    int path;                  /* FA_PATH_SINGLE or FA_PATH_STREAM (forced SINGLE with weights) */
+    int n_threads;             /* >= 1; 1 means no parallel region */
+} fa_sdpa_args;
+
+int fa_sdpa_f32(const fa_sdpa_args *a);
+int fa_sdpa_f64(const fa_sdpa_args *a);
+
+/* The OpenMP runtime's default team size for the calling thread (1 without OpenMP). */
+int fa_omp_max_threads(void);
+
+/* Vectorised exp over an array (in place allowed); exact 0 for -inf. */
+void fa_exp_f32(const float *x, float *y, int64_t n);
+void fa_exp_f64(const double *x, double *y, int64_t n);
+
+/* SIMD dispatch: 1 when the AVX2/FMA code paths are in use. */
+int fa_simd_active(void);
+/* Force the portable scalar paths (disable != 0) or re-enable detection. */
+void fa_simd_set_disabled(int disable);
+/* 1 when this build contains AVX2/FMA code at all. */
+int fa_simd_compiled(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,33 @@
+"""fastattn: fast CPU attention for NumPy.
+
+Public names only; see :mod:`fastattn.functional` for the shape glossary and
+the mask convention (boolean True = may attend).
+"""
+import os as _os
+
+from . import _kernels
+from ._threads import get_num_threads, set_num_threads, threads
+from .functional import Plan, explain, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+# FASTATTN_DISABLE_SIMD=1 forces the portable scalar code paths.
+if _os.environ.get("FASTATTN_DISABLE_SIMD", "").strip() not in ("", "0"):
+    _kernels.set_simd_disabled(True)
+
+
+def simd_active() -> bool:
+    """True when the AVX2/FMA kernels are in use (CPU support and not disabled)."""
+    return _kernels.simd_active()
+
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "explain",
+    "Plan",
+    "get_num_threads",
+    "set_num_threads",
+    "threads",
+    "simd_active",
+    "__version__",
+]

@@ -1,0 +1,203 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython entry points into csrc/.
+
+Canonical buffers in, preallocated outputs, GIL released, no user-facing
+checks: ``fastattn.functional`` validates every argument before it calls here.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uintptr_t
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+
+cnp.import_array()
+
+cdef extern from "fastattn.h" nogil:
+    int FA_OK, FA_ENOMEM, FA_EINVAL
+    int FA_MAX_BATCH_DIMS
+    int FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD
+    int FA_PATH_SINGLE, FA_PATH_STREAM
+    ctypedef void (*fa_sgemm_fn)(char*, char*, int*, int*, int*, float*, float*, int*,
+                                 float*, int*, float*, float*, int*)
+    ctypedef void (*fa_dgemm_fn)(char*, char*, int*, int*, int*, double*, double*, int*,
+                                 double*, int*, double*, double*, int*)
+    ctypedef int (*fa_blas_set_threads_fn)(int)
+    void fa_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
+    ctypedef struct fa_sdpa_args:
+        int nbatch
+        const int64_t *batch_shape
+        const int64_t *q_bs
+        const int64_t *k_bs
+        const int64_t *v_bs
+        const int64_t *o_bs
+        const int64_t *m_bs
+        const int64_t *w_bs
+        int64_t Lq, Lk, d, dv
+        int64_t ldq, ldk, ldv, ldo, ldm, ldw
+        const void *q
+        const void *k
+        const void *v
+        const void *mask
+        int mask_kind
+        int causal
+        int64_t causal_offset
+        double scale
+        void *out
+        void *weights
+        int64_t block_q
+        int64_t block_k
+        int path
+        int n_threads
+    int fa_sdpa_f32(const fa_sdpa_args *a)
+    int fa_sdpa_f64(const fa_sdpa_args *a)
+    void fa_exp_f32(const float *x, float *y, int64_t n)
+    void fa_exp_f64(const double *x, double *y, int64_t n)
+    int fa_simd_active()
+    int fa_omp_max_threads()
+    int fa_simd_compiled()
+    void fa_simd_set_disabled(int disable)
+
+MASK_NONE = FA_MASK_NONE
+MASK_BOOL = FA_MASK_BOOL
+MASK_ADD = FA_MASK_ADD
+PATH_SINGLE = FA_PATH_SINGLE
+PATH_STREAM = FA_PATH_STREAM
+MAX_BATCH_DIMS = FA_MAX_BATCH_DIMS
+
+fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+
+def set_blas_threads_hook(uintptr_t address):
+    """Install ``int f(int)`` (set BLAS threads, return the previous count); 0 removes it."""
+    fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, <fa_blas_set_threads_fn>address)
+
+
+def omp_max_threads():
+    return fa_omp_max_threads()
+
+
+def simd_compiled():
+    return bool(fa_simd_compiled())
+
+
+def simd_active():
+    return bool(fa_simd_active())
+
+
+def set_simd_disabled(bint disable):
+    fa_simd_set_disabled(disable)
+
+
+cdef inline void _batch_strides(cnp.ndarray a, int nbatch, const int64_t *shape,
+                                int64_t *out) noexcept:
+    """Element strides of a's leading dims, right-aligned to the broadcast batch shape."""
+    cdef int nd = cnp.PyArray_NDIM(a) - 2
+    cdef int i, j
+    cdef cnp.npy_intp *sh = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
+    for i in range(nbatch):
+        j = i - (nbatch - nd)
+        if j < 0 or sh[j] == 1:
+            out[i] = 0
+        else:
+            out[i] = st[j] // item
+
+
+cdef inline int64_t _ld(cnp.ndarray a, int64_t cols) noexcept:
+    """Row stride in elements; a single row gets a BLAS-valid stride."""
+    cdef int nd = cnp.PyArray_NDIM(a)
+    if cnp.PyArray_DIMS(a)[nd - 2] == 1:
+        return cols if cols > 0 else 1
+    return cnp.PyArray_STRIDES(a)[nd - 2] // cnp.PyArray_ITEMSIZE(a)
+
+
+def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
+         cnp.ndarray out, object weights, tuple batch_shape, bint causal,
+         int64_t causal_offset, double scale, int64_t block_q, int64_t block_k,
+         int path, int n_threads):
+    """Run the kernel.  Returns the C status code (0 = OK).
+
+    q, k, v, out (and mask, weights when given) share one float dtype, have
+    contiguous last axes and BLAS-valid row strides; their leading dims
+    broadcast to batch_shape.  A mask row stride of 0 means one key mask for
+    all queries (its query dim has size 1).
+    """
+    cdef fa_sdpa_args a
+    cdef int64_t shape[32]
+    cdef int64_t qbs[32]
+    cdef int64_t kbs[32]
+    cdef int64_t vbs[32]
+    cdef int64_t obs[32]
+    cdef int64_t mbs[32]
+    cdef int64_t wbs[32]
+    cdef int nb = len(batch_shape)
+    cdef int i, rc
+    cdef cnp.ndarray m_arr, w_arr
+    for i in range(nb):
+        shape[i] = batch_shape[i]
+    a.nbatch = nb
+    a.batch_shape = shape
+    _batch_strides(q, nb, shape, qbs)
+    _batch_strides(k, nb, shape, kbs)
+    _batch_strides(v, nb, shape, vbs)
+    _batch_strides(out, nb, shape, obs)
+    a.q_bs = qbs
+    a.k_bs = kbs
+    a.v_bs = vbs
+    a.o_bs = obs
+    a.m_bs = mbs
+    a.w_bs = wbs
+    a.Lq = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 2]
+    a.d = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 1]
+    a.Lk = cnp.PyArray_DIMS(k)[cnp.PyArray_NDIM(k) - 2]
+    a.dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
+    a.ldq = _ld(q, a.d)
+    a.ldk = _ld(k, a.d)
+    a.ldv = _ld(v, a.dv)
+    a.ldo = _ld(out, a.dv)
+    a.q = cnp.PyArray_DATA(q)
+    a.k = cnp.PyArray_DATA(k)
+    a.v = cnp.PyArray_DATA(v)
+    a.out = cnp.PyArray_DATA(out)
+    a.mask_kind = mask_kind
+    a.mask = NULL
+    a.ldm = 0
+    if mask_kind != FA_MASK_NONE:
+        m_arr = <cnp.ndarray>mask
+        _batch_strides(m_arr, nb, shape, mbs)
+        a.mask = cnp.PyArray_DATA(m_arr)
+        if cnp.PyArray_DIMS(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] == 1:
+            a.ldm = 0
+        else:
+            a.ldm = cnp.PyArray_STRIDES(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] // cnp.PyArray_ITEMSIZE(m_arr)
+    a.weights = NULL
+    a.ldw = 0
+    if weights is not None:
+        w_arr = <cnp.ndarray>weights
+        _batch_strides(w_arr, nb, shape, wbs)
+        a.weights = cnp.PyArray_DATA(w_arr)
+        a.ldw = _ld(w_arr, a.Lk)
+    a.causal = causal
+    a.causal_offset = causal_offset
+    a.scale = scale
+    a.block_q = block_q
+    a.block_k = block_k
+    a.path = path
+    a.n_threads = n_threads
+    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
+        with nogil:
+            rc = fa_sdpa_f32(&a)
+    else:
+        with nogil:
+            rc = fa_sdpa_f64(&a)
+    return rc
+
+
+def exp(cnp.ndarray x, cnp.ndarray y):
+    """y = exp(x) elementwise with the dispatched kernel; x, y contiguous, same float dtype."""
+    cdef int64_t n = cnp.PyArray_SIZE(x)
+    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        with nogil:
+            fa_exp_f32(<const float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(y), n)
+    else:
+        with nogil:
+            fa_exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)

@@ -1,0 +1,135 @@
+"""Thread-count policy for fastattn's kernels.
+
+Precedence, highest first:
+
+1. ``n_threads=`` given to a call;
+2. the innermost active ``fastattn.threads(n)`` context (local to the thread
+   or asyncio task that entered it, via :mod:`contextvars`);
+3. ``fastattn.set_num_threads(n)`` (process-wide);
+4. the OpenMP runtime's default for the calling thread, which is
+   ``OMP_NUM_THREADS`` when set, a ``threadpoolctl.threadpool_limits(n,
+   user_api="openmp")`` limit when one is active, and otherwise the number
+   of CPUs this process may run on (its affinity mask).
+
+While a call runs with more than one thread, the SciPy BLAS that the kernels
+call is held at one thread so the two pools never oversubscribe the cores;
+the previous BLAS setting is restored when the last concurrent call ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import glob
+import operator
+import os
+
+from . import _kernels
+
+_global_threads: int | None = None
+_context_threads: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "fastattn_threads", default=None
+)
+_blas_hook_done = False
+_blas_hook_library: str | None = None
+
+
+def _check_count(n, name: str) -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"{name}: expected a positive integer, got bool {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(
+            f"{name}: expected a positive integer, got {type(n).__name__} {n!r}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"{name}: expected a positive integer (>= 1), got {n}")
+    return n
+
+
+def _affinity_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def get_num_threads() -> int:
+    """Number of threads a call without ``n_threads`` would use right now."""
+    n = _context_threads.get()
+    if n is not None:
+        return n
+    if _global_threads is not None:
+        return _global_threads
+    return max(1, min(_kernels.omp_max_threads(), _affinity_count()))
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the process-wide default thread count; ``None`` restores the default."""
+    global _global_threads
+    _global_threads = None if n is None else _check_count(n, "n")
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Use ``n`` threads for fastattn calls made inside the ``with`` block.
+
+    The setting is local to the current thread (and asyncio task): other
+    threads of the application keep their own.
+    """
+    token = _context_threads.set(_check_count(n, "n"))
+    try:
+        yield
+    finally:
+        _context_threads.reset(token)
+
+
+def resolve(n_threads) -> int:
+    """The thread count for one call (``n_threads`` validated when given)."""
+    if n_threads is None:
+        return get_num_threads()
+    return _check_count(n_threads, "n_threads")
+
+
+def _blas_candidates():
+    try:
+        import scipy
+    except ImportError:  # pragma: no cover - scipy is a dependency
+        return []
+    libs = os.path.join(os.path.dirname(os.path.dirname(scipy.__file__)), "scipy.libs")
+    found = sorted(glob.glob(os.path.join(libs, "*openblas*")))
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "openblas" in os.path.basename(path) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def ensure_blas_hook() -> None:
+    """Hand the kernels a way to hold SciPy's OpenBLAS at one thread (once)."""
+    global _blas_hook_done, _blas_hook_library
+    if _blas_hook_done:
+        return
+    _blas_hook_done = True
+    for path in _blas_candidates():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                _kernels.set_blas_threads_hook(ctypes.cast(fn, ctypes.c_void_p).value)
+                _blas_hook_library = path
+                return
+
+
+def blas_hook_library() -> str | None:
+    """Path of the BLAS library whose thread count fastattn controls (None if none)."""
+    ensure_blas_hook()
+    return _blas_hook_library

@@ -1,0 +1,97 @@
+"""Argument checking and canonicalisation shared by the functional ops.
+
+Everything a user can get wrong is caught here, with a message that names the
+argument, what was expected and what was received.  The kernels only ever see
+what these helpers return.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# BLAS integers are 32-bit (scipy.linalg.cython_blas): sizes and leading
+# dimensions handed to gemm must stay below this.
+BLAS_INT_MAX = 2**31 - 1
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+_F16 = np.dtype(np.float16)
+
+
+def describe(x) -> str:
+    a = x if isinstance(x, np.ndarray) else None
+    if a is not None:
+        return f"array of shape {a.shape} and dtype {a.dtype}"
+    return f"{type(x).__name__}"
+
+
+def as_array(x, name: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name}: expected an array-like of numbers, got {describe(x)} ({exc})") from None
+
+
+def check_float_kind(a: np.ndarray, name: str) -> None:
+    k = a.dtype.kind
+    if k == "c":
+        raise TypeError(
+            f"{name}: complex dtypes are not supported (attention scores must be real), got {a.dtype}"
+        )
+    if k not in "fiub":
+        raise TypeError(f"{name}: expected a real numeric dtype, got {a.dtype}")
+    if k == "f" and a.dtype.itemsize > 8:
+        raise TypeError(
+            f"{name}: {a.dtype} is not supported (computed natively: float32, float64; "
+            "float16 is computed in float32); cast explicitly to float64"
+        )
+
+
+def result_dtypes(*arrays) -> tuple[np.dtype, np.dtype]:
+    """(compute dtype, result dtype) by NumPy promotion of the inputs.
+
+    float32 / float64 are computed natively; float16 is computed in float32
+    and returned as float16; integer and bool inputs give float64 (as NumPy's
+    true division does).
+    """
+    rt = np.result_type(*arrays)
+    if rt.kind != "f":
+        rt = _F64
+    if rt == _F16:
+        return _F32, _F16
+    if rt == _F32:
+        return _F32, _F32
+    return _F64, _F64
+
+
+def canonical_matrix_stack(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """a in ``dtype`` with a contiguous last axis and a BLAS-valid row stride.
+
+    Any other strides (batch dims: anything, including 0 and negative; rows:
+    positive and at least a row apart) are kept as they are, without a copy.
+    """
+    if a.dtype != dtype:
+        return np.ascontiguousarray(a, dtype=dtype)
+    if not a.flags.aligned:
+        return np.ascontiguousarray(a)
+    item = dtype.itemsize
+    rows, cols = a.shape[-2], a.shape[-1]
+    st = a.strides
+    if cols > 1 and st[-1] != item:
+        return np.ascontiguousarray(a)
+    if rows > 1:
+        rs = st[-2]
+        if rs <= 0 or rs % item or rs // item < max(cols, 1) or rs // item > BLAS_INT_MAX:
+            return np.ascontiguousarray(a)
+    return a
+
+
+def broadcast_batch(shapes: list[tuple[str, tuple]]) -> tuple:
+    try:
+        return np.broadcast_shapes(*(s for _, s in shapes))
+    except ValueError:
+        desc = ", ".join(f"{n} {s}" for n, s in shapes)
+        raise ValueError(
+            f"leading (batch) dimensions do not broadcast: {desc}"
+        ) from None

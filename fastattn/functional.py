@@ -1,0 +1,373 @@
+"""The public math of fastattn.
+
+Shape glossary (used by every op):
+
+========  ==========================================================
+``...``   leading batch dims; broadcast against each other like NumPy
+``Lq``    number of queries
+``Lk``    number of keys (and values)
+``d``     query / key feature size
+``dv``    value feature size
+========  ==========================================================
+
+Masks: boolean ``True`` means *may attend*; a float mask is added to the
+scores (use ``-inf`` to forbid).  Rows that may attend to nothing give zeros,
+in the output and in the weights, on every path.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _kernels, _threads
+from ._validation import (
+    BLAS_INT_MAX,
+    as_array,
+    broadcast_batch,
+    canonical_matrix_stack,
+    check_float_kind,
+    describe,
+    result_dtypes,
+)
+
+__all__ = ["scaled_dot_product_attention", "explain", "Plan"]
+
+_ALIGNMENTS = ("top_left", "bottom_right")
+
+# Tiling.  Keys up to SINGLE_PASS_MAX_KEYS are scored in one pass per query
+# block (exact two-pass softmax over the whole row); longer key sequences
+# stream over tiles of BLOCK_K keys with an online softmax.
+SINGLE_PASS_MAX_KEYS = 512
+BLOCK_Q = 64
+BLOCK_K = 256
+# Below this many flops a call runs on the calling thread alone.
+PARALLEL_MIN_FLOPS = 2_000_000
+
+
+class Plan(NamedTuple):
+    """How a call is executed (see :func:`explain`)."""
+
+    path: str          # "single_pass", "streaming" or "empty"
+    dtype: str         # compute dtype
+    batch_shape: tuple
+    block_q: int
+    block_k: int       # keys per tile (streaming), or all keys (single pass)
+    n_threads: int
+    n_tasks: int
+    causal: str | None  # "top_left", "bottom_right" or None
+    mask: str          # "none", "bool", "additive"
+    copies: tuple      # names of the inputs that had to be copied
+    reason: str
+
+
+def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads):
+    nb = math.prod(batch_shape)
+    if want_weights:
+        path, bk, why = _kernels.PATH_SINGLE, Lk, "weights requested: scores written into the weights output"
+    elif Lk <= SINGLE_PASS_MAX_KEYS:
+        path, bk, why = _kernels.PATH_SINGLE, Lk, f"Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
+    else:
+        path, bk, why = _kernels.PATH_STREAM, BLOCK_K, f"Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over key tiles"
+    bq = min(BLOCK_Q, max(Lq, 1))
+    ntasks = nb * (-(-Lq // bq))
+    flops = 2.0 * nb * Lq * Lk * (d + dv)
+    nt = n_threads
+    if flops < PARALLEL_MIN_FLOPS:
+        nt = 1
+    nt = max(1, min(nt, ntasks))
+    return path, bq, bk, nt, ntasks, why
+
+
+def _check_out(out, shape, dtype):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy.ndarray, got {describe(out)}")
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out: the array is read-only")
+    # no element may be reachable twice (e.g. a broadcast view)
+    dims = sorted((abs(st), n) for st, n in zip(out.strides, out.shape) if n > 1)
+    span = out.itemsize
+    for st, n in dims:
+        if st < span:
+            raise ValueError(
+                f"out: its strides {out.strides} make elements overlap; pass an array "
+                "in which every element has its own memory"
+            )
+        span = st * n
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    *,
+    return_weights=False,
+    causal_alignment="top_left",
+    out=None,
+    n_threads=None,
+):
+    """Scaled dot-product attention, ``softmax(scale * Q K^T + mask) V``.
+
+    Parameters
+    ----------
+    query : array_like, shape (..., Lq, d)
+    key : array_like, shape (..., Lk, d)
+    value : array_like, shape (..., Lk, dv)
+        The leading dims of the three (and of ``attn_mask``) broadcast.
+    attn_mask : array_like, optional, broadcastable to (..., Lq, Lk)
+        Boolean: True where a query may attend to a key.  Float: added to the
+        scaled scores (``-inf`` forbids).  A padding mask shaped
+        ``(B, 1, 1, Lk)`` is used as it is, never expanded.
+    is_causal : bool
+        Query ``i`` may attend to key ``j`` only when ``j <= i`` (top-left
+        alignment) or ``j <= i + Lk - Lq`` (bottom-right).  Combined with
+        ``attn_mask``, a key must be allowed by both (unlike PyTorch, which
+        refuses the combination).
+    scale : float, optional
+        Multiplies ``Q K^T``; default ``1 / sqrt(d)`` (1 when ``d == 0``).
+    return_weights : bool
+        Also return the attention weights, shape (..., Lq, Lk).
+    causal_alignment : {"top_left", "bottom_right"}
+        "top_left" is PyTorch's rule; "bottom_right" aligns the last query
+        with the last key, as needed when decoding with a key/value cache.
+    out : ndarray, optional
+        Written with the result and returned; must have the result's shape
+        and dtype.  It may overlap the inputs (the result then goes through
+        a temporary).
+    n_threads : int, optional
+        Threads for this call (see :func:`fastattn.get_num_threads`).
+
+    Returns
+    -------
+    ndarray of shape (..., Lq, dv), or ``(output, weights)``.
+    Rows with no allowed key are zeros.  The dtype follows NumPy promotion of
+    query, key and value: float32 and float64 are computed natively, float16
+    in float32 (returned as float16), integers and bool as float64.  Complex
+    inputs raise TypeError.
+    """
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
+                 causal_alignment, out, n_threads)
+    return _run(p)
+
+
+class _Prepared(NamedTuple):
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: object
+    mask_kind: int
+    batch: tuple
+    Lq: int
+    Lk: int
+    d: int
+    dv: int
+    causal: bool
+    causal_alignment: str
+    causal_offset: int
+    scale: float
+    want_weights: bool
+    out: object
+    n_threads: int
+    cdt: np.dtype
+    rdt: np.dtype
+    copies: tuple
+
+
+def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
+             causal_alignment, out, n_threads):
+    q = as_array(query, "query")
+    k = as_array(key, "key")
+    v = as_array(value, "value")
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        check_float_kind(a, name)
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name}: expected an array with at least 2 dims (..., L, features), "
+                f"got {a.ndim}-d array of shape {a.shape}"
+            )
+    Lq, d = q.shape[-2:]
+    Lk, dk = k.shape[-2:]
+    Lv, dv = v.shape[-2:]
+    if dk != d:
+        raise ValueError(
+            f"key: expected last dim {d} (query's feature size d), got key of shape {k.shape}"
+        )
+    if Lv != Lk:
+        raise ValueError(
+            f"value: expected {Lk} rows (the number of keys Lk), got value of shape {v.shape}"
+        )
+    shapes = [("query", q.shape[:-2]), ("key", k.shape[:-2]), ("value", v.shape[:-2])]
+
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}"
+        )
+    if not isinstance(return_weights, (bool, np.bool_)):
+        raise TypeError(
+            f"return_weights: expected a bool, got {type(return_weights).__name__} {return_weights!r}"
+        )
+
+    cdt, rdt = result_dtypes(q, k, v)
+
+    mask = None
+    mask_kind = _kernels.MASK_NONE
+    if attn_mask is not None:
+        mask = as_array(attn_mask, "attn_mask")
+        if mask.dtype == np.bool_:
+            mask_kind = _kernels.MASK_BOOL
+        elif mask.dtype.kind == "f" and mask.dtype.itemsize <= 8:
+            mask_kind = _kernels.MASK_ADD
+        else:
+            raise TypeError(
+                "attn_mask: expected a bool mask (True = may attend) or a float mask "
+                f"(added to the scores), got dtype {mask.dtype}"
+            )
+        if mask.ndim < 2:
+            mask = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+        mq, mk = mask.shape[-2:]
+        if mq not in (1, Lq) or mk not in (1, Lk):
+            raise ValueError(
+                f"attn_mask: expected a shape broadcastable to (..., Lq={Lq}, Lk={Lk}), "
+                f"got {mask.shape}"
+            )
+        shapes.append(("attn_mask", mask.shape[:-2]))
+        if mask_kind == _kernels.MASK_ADD and mask.dtype != cdt:
+            mask = mask.astype(cdt)
+        if mk != Lk:  # one value for every key: spell it out along the key axis
+            mask = np.broadcast_to(mask, mask.shape[:-1] + (Lk,))
+        if Lk > 1 and mask.strides[-1] != mask.itemsize:
+            mask = np.ascontiguousarray(mask)
+        elif not mask.flags.aligned:
+            mask = np.ascontiguousarray(mask)
+
+    batch = broadcast_batch(shapes)
+    if len(batch) > _kernels.MAX_BATCH_DIMS:
+        raise ValueError(
+            f"too many leading dims: at most {_kernels.MAX_BATCH_DIMS} supported, got {len(batch)}"
+        )
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale: expected a real number, got {type(scale).__name__} {scale!r}")
+        scale = float(scale)
+
+    nt = _threads.resolve(n_threads)
+
+    for name, val in (("Lq", Lq), ("Lk", Lk), ("d", d), ("dv", dv)):
+        if val > BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}={val} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX})"
+            )
+
+    out_shape = batch + (Lq, dv)
+    if out is not None:
+        _check_out(out, out_shape, rdt)
+
+    copies = []
+    qc = canonical_matrix_stack(q, cdt)
+    kc = canonical_matrix_stack(k, cdt)
+    vc = canonical_matrix_stack(v, cdt)
+    for name, a, c in (("query", q, qc), ("key", k, kc), ("value", v, vc)):
+        if c is not a:
+            copies.append(name)
+
+    off = 0
+    if is_causal and causal_alignment == "bottom_right":
+        off = Lk - Lq
+    return _Prepared(qc, kc, vc, mask, mask_kind, batch, Lq, Lk, d, dv, bool(is_causal),
+                     causal_alignment, off, scale, bool(return_weights), out, nt, cdt, rdt,
+                     tuple(copies))
+
+
+def _run(p: _Prepared):
+    out_shape = p.batch + (p.Lq, p.dv)
+    w_shape = p.batch + (p.Lq, p.Lk)
+    user_out = p.out
+    direct = (
+        user_out is not None
+        and p.rdt == p.cdt
+        and user_out.strides[-1] in (p.cdt.itemsize,) + ((0,) if p.dv <= 1 else ())
+        and not any(np.may_share_memory(user_out, a) for a in (p.q, p.k, p.v)
+                    if a is not None)
+        and not (p.mask is not None and np.may_share_memory(user_out, p.mask))
+    )
+    if direct:
+        res = canonical_matrix_stack(user_out, p.cdt)
+        if res is not user_out:  # rows not BLAS-addressable: go through a temporary
+            direct = False
+    if not direct:
+        res = np.empty(out_shape, dtype=p.cdt)
+    weights = np.empty(w_shape, dtype=p.cdt) if p.want_weights else None
+
+    empty = math.prod(out_shape) == 0 and (weights is None or weights.size == 0)
+    if not empty:
+        q, k, v = p.q, p.k, p.v
+        if p.d == 0:  # scores are all 0: any width-1 zeros do
+            q = np.zeros(p.q.shape[:-1] + (1,), p.cdt)
+            k = np.zeros(p.k.shape[:-1] + (1,), p.cdt)
+        res_k = res
+        if p.dv == 0:  # weights wanted but nothing to combine: use a dummy value column
+            v = np.zeros(p.v.shape[:-1] + (1,), p.cdt)
+            res_k = np.empty(p.batch + (p.Lq, 1), p.cdt)
+        path, bq, bk, nt, _, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
+                                       p.want_weights, p.n_threads)
+        if nt > 1:
+            _threads.ensure_blas_hook()
+        rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
+                           p.causal, p.causal_offset, p.scale, bq, bk, path, nt)
+        if rc == 1:
+            raise MemoryError("fastattn: could not allocate kernel scratch memory")
+        if rc != 0:  # pragma: no cover - a bug, not a user error
+            raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")
+
+    if user_out is not None:
+        if not direct:
+            np.copyto(user_out, res, casting="unsafe")
+        res = user_out
+    elif p.rdt != p.cdt:
+        res = res.astype(p.rdt)
+    if p.want_weights:
+        if p.rdt != p.cdt:
+            weights = weights.astype(p.rdt)
+        return res, weights
+    return res
+
+
+def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+            return_weights=False, causal_alignment="top_left", out=None, n_threads=None) -> Plan:
+    """Say how :func:`scaled_dot_product_attention` would run these arguments.
+
+    Takes the same arguments, validates them the same way, and returns a
+    :class:`Plan` (kernel path, tile sizes, threads, copies made and why)
+    without computing anything.
+    """
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
+                 causal_alignment, out, n_threads)
+    if math.prod(p.batch) * p.Lq * p.dv == 0 and not (p.want_weights and math.prod(p.batch) * p.Lq * p.Lk):
+        return Plan("empty", p.cdt.name, p.batch, 0, 0, 1, 0,
+                    p.causal_alignment if p.causal else None,
+                    {0: "none", 1: "bool", 2: "additive"}[p.mask_kind], p.copies,
+                    "nothing to compute: a dimension of the output is 0")
+    path, bq, bk, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
+                                          p.want_weights, p.n_threads)
+    if nt < p.n_threads:
+        why += f"; {nt} thread(s): " + ("small problem" if ntasks >= p.n_threads else f"only {ntasks} task(s)")
+    return Plan(
+        "single_pass" if path == _kernels.PATH_SINGLE else "streaming",
+        p.cdt.name, p.batch, bq, bk, nt, ntasks,
+        p.causal_alignment if p.causal else None,
+        {0: "none", 1: "bool", 2: "additive"}[p.mask_kind],
+        p.copies, why,
+    )
