@@ -5,7 +5,16 @@ the mask convention (boolean True = may attend).
 """
 import os as _os
 
-from . import _kernels
+try:
+    from . import _kernels
+except ImportError as _exc:  # pragma: no cover - depends on how it was installed
+    raise ImportError(
+        "fastattn's compiled extension could not be imported. If you are running from "
+        "the fastattn source checkout, Python picked up the unbuilt source folder: run "
+        "from another directory, use the installed command (`fastattn demo`, `pytest`), "
+        "or build in place with `python setup.py build_ext --inplace`. "
+        f"Original error: {_exc}"
+    ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
 from .functional import Plan, explain, scaled_dot_product_attention
 
