@@ -7,10 +7,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "fastattn.h"
+#include "fa_pool.h"
 #include "fa_rowops.h"
 
 /* ------------------------------------------------------------------ BLAS */
@@ -19,13 +17,6 @@ static fa_sgemm_fn g_sgemm = NULL;
 static fa_dgemm_fn g_dgemm = NULL;
 static fa_blas_set_threads_fn g_blas_set_threads = NULL;
 
-void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads)
-{
-    g_sgemm = sgemm;
-    g_dgemm = dgemm;
-    g_blas_set_threads = set_threads;
-}
-
 /* BLAS is held at one thread while a team of ours runs.  Calls may overlap
  * (an app's threads call in concurrently), so the first one in saves the
  * library's setting and the last one out restores it. */
@@ -33,35 +24,43 @@ static pthread_mutex_t g_blas_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_blas_users = 0;
 static int g_blas_saved = -1;
 
-static int fa_blas_threads_enter(void)
+static void blas_atfork_child(void)
+{
+    pthread_mutex_init(&g_blas_lock, NULL);
+    g_blas_users = 0;
+}
+
+void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads)
+{
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, blas_atfork_child);
+        atfork = 1;
+    }
+    g_sgemm = sgemm;
+    g_dgemm = dgemm;
+    g_blas_set_threads = set_threads;
+}
+
+
+static void fa_blas_threads_enter(void)
 {
     if (!g_blas_set_threads)
-        return 0;
+        return;
     pthread_mutex_lock(&g_blas_lock);
     if (g_blas_users++ == 0)
         g_blas_saved = g_blas_set_threads(1);
     pthread_mutex_unlock(&g_blas_lock);
-    return 0;
 }
 
-static void fa_blas_threads_exit(int unused)
+static void fa_blas_threads_exit(void)
 {
-    (void)unused;
     if (!g_blas_set_threads)
         return;
     pthread_mutex_lock(&g_blas_lock);
     if (--g_blas_users == 0 && g_blas_saved > 0)
         g_blas_set_threads(g_blas_saved);
     pthread_mutex_unlock(&g_blas_lock);
-}
-
-int fa_omp_max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
 }
 
 /* ----------------------------------------------------------- scratch arena */
@@ -116,6 +115,16 @@ static inline float ops_rowmax_f32(const fa_rowops *o, const float *x, int64_t n
 static inline double ops_rowmax_f64(const fa_rowops *o, const double *x, int64_t n) { return o->rowmax_f64(x, n); }
 static inline float ops_expsub_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->expsub_sum_f32(x, n, m); }
 static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_sum_f64(x, n, m); }
+#define ops_small_qk_f32(o, ...) (o)->small_qk_f32(__VA_ARGS__)
+#define ops_small_qk_f64(o, ...) (o)->small_qk_f64(__VA_ARGS__)
+#define ops_small_pv_f32(o, ...) (o)->small_pv_f32(__VA_ARGS__)
+#define ops_small_pv_f64(o, ...) (o)->small_pv_f64(__VA_ARGS__)
+
+/* Multiply-adds below which a task skips BLAS (its call overhead dominates). */
+#ifndef FA_DIRECT_MAX_MACS
+#define FA_DIRECT_MAX_MACS 32768
+#endif
+
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }
 

@@ -84,6 +84,12 @@ static inline int64_t FN(key_end)(const fa_sdpa_args *a, int64_t i0, int64_t m)
     return kend;
 }
 
+/* Single-pass tasks small enough that BLAS calls would cost more than the work. */
+static inline int FN(use_direct)(const fa_sdpa_args *a)
+{
+    return a->block_q * a->Lk * (a->d + a->dv) <= FA_DIRECT_MAX_MACS;
+}
+
 /* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
 static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int64_t i0,
                      int64_t m, REAL *scratch)
@@ -116,7 +122,12 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         /* Whole key row at once: exact two-pass softmax. */
         REAL *S = W ? W : scratch;
         int64_t lds = W ? a->ldw : kend;
-        FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
+        const int direct = FN(use_direct)(a);
+        if (direct)
+            FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds,
+                             scratch + m * a->Lk + m);
+        else
+            FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * lds;
             FN(mask_row)(a, mb, bb, s, i0 + r, 0, kend);
@@ -132,7 +143,10 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
                 scratch[m * kend + r] = inv;
             }
         }
-        FN(rm_gemm)('N', 'N', m, dv, kend, (REAL)1, S, lds, V, a->ldv, (REAL)0, O, a->ldo);
+        if (direct)
+            FN(ops_small_pv)(ops, m, dv, kend, S, lds, V, a->ldv, O, a->ldo);
+        else
+            FN(rm_gemm)('N', 'N', m, dv, kend, (REAL)1, S, lds, V, a->ldv, (REAL)0, O, a->ldo);
         if (!W)
             for (int64_t r = 0; r < m; r++)
                 FN(scale_row)(O + r * a->ldo, dv, scratch[m * kend + r]);
@@ -186,11 +200,40 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
 static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
-    if (a->weights)
-        return 0;
-    if (a->path == FA_PATH_SINGLE)
-        return m * a->Lk + m;
+    if (a->weights || a->path == FA_PATH_SINGLE) {
+        int64_t n = m * a->Lk + m;     /* scores (unless written into weights) and 1/l */
+        if (FN(use_direct)(a))
+            n += a->d * (a->Lk + 8);   /* K transposed for the direct products */
+        return n;
+    }
     return m * a->block_k + 2 * m;
+}
+
+typedef struct {
+    const fa_sdpa_args *a;
+    const fa_rowops *ops;
+    int64_t nqb;
+    size_t need;
+    int reverse;
+    int status;            /* atomic: FA_ENOMEM when a thread could not get scratch */
+} FN(job);
+
+static void FN(run_task)(void *ctx, int64_t t, int slot)
+{
+    (void)slot;
+    FN(job) *j = (FN(job) *)ctx;
+    const fa_sdpa_args *a = j->a;
+    REAL *scratch = (REAL *)fa_arena(j->need);
+    if (j->need && !scratch) {
+        __atomic_store_n(&j->status, FA_ENOMEM, __ATOMIC_RELAXED);
+        return;
+    }
+    int64_t b = t / j->nqb, qb = t % j->nqb;
+    if (j->reverse)
+        qb = j->nqb - 1 - qb;
+    int64_t i0 = qb * a->block_q;
+    int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
+    FN(task)(a, j->ops, b, i0, m, scratch);
 }
 
 int FN(fa_sdpa)(const fa_sdpa_args *a)
@@ -200,57 +243,28 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
     int64_t nbatch = 1;
     for (int i = 0; i < a->nbatch; i++)
         nbatch *= a->batch_shape[i];
-    const int64_t nqb = (a->Lq + a->block_q - 1) / a->block_q;
-    const int64_t ntasks = nbatch * nqb;
+    FN(job) j;
+    j.a = a;
+    j.ops = fa_get_rowops();
+    j.nqb = (a->Lq + a->block_q - 1) / a->block_q;
+    j.need = (size_t)FN(scratch_elems)(a) * sizeof(REAL);
+    /* with causality, later query blocks carry more work: hand them out first */
+    j.reverse = a->causal;
+    j.status = FA_OK;
+    const int64_t ntasks = nbatch * j.nqb;
     if (ntasks == 0)
         return FA_OK;
-    const fa_rowops *ops = fa_get_rowops();
-    const size_t need = (size_t)FN(scratch_elems)(a) * sizeof(REAL);
-    /* with top-left causality later query blocks carry more work: hand them out first */
-    const int reverse = a->causal;
     int nt = a->n_threads;
     if (nt > ntasks)
         nt = (int)ntasks;
-    int status = FA_OK;
-
-    if (nt == 1) {
-        REAL *scratch = (REAL *)fa_arena(need);
-        if (need && !scratch)
-            return FA_ENOMEM;
-        for (int64_t t = 0; t < ntasks; t++) {
-            int64_t b = t / nqb, qb = t % nqb;
-            if (reverse)
-                qb = nqb - 1 - qb;
-            int64_t i0 = qb * a->block_q;
-            int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
-            FN(task)(a, ops, b, i0, m, scratch);
-        }
-        return FA_OK;
-    }
-
-    int prev = fa_blas_threads_enter();
-#pragma omp parallel num_threads(nt)
-    {
-        REAL *scratch = (REAL *)fa_arena(need);
-        int ok = !(need && !scratch);
-        if (!ok) {
-#pragma omp atomic write
-            status = FA_ENOMEM;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < ntasks; t++) {
-            if (!ok)
-                continue;
-            int64_t b = t / nqb, qb = t % nqb;
-            if (reverse)
-                qb = nqb - 1 - qb;
-            int64_t i0 = qb * a->block_q;
-            int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
-            FN(task)(a, ops, b, i0, m, scratch);
-        }
-    }
-    fa_blas_threads_exit(prev);
-    return status;
+    if (nt > 1)
+        fa_blas_threads_enter();
+    int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop, a->stop_ctx);
+    if (nt > 1)
+        fa_blas_threads_exit();
+    if (stopped)
+        return FA_EINTR;
+    return j.status;
 }
 
 #undef FN

@@ -66,10 +66,45 @@ static void exp_f64_scalar(const double *x, double *y, int64_t n)
         y[j] = exp(x[j]);
 }
 
+#define SCALAR_SMALL(T, SFX)                                                          \
+    static void small_qk_##SFX##_scalar(int64_t m, int64_t n, int64_t d, T scale,        \
+                                        const T *Q, int64_t ldq, const T *K, int64_t ldk, \
+                                        T *S, int64_t lds, T *kt)                        \
+    {                                                                                    \
+        (void)kt;                                                                        \
+        for (int64_t i = 0; i < m; i++)                                                  \
+            for (int64_t j = 0; j < n; j++) {                                            \
+                T acc = 0;                                                               \
+                for (int64_t c = 0; c < d; c++)                                          \
+                    acc += Q[i * ldq + c] * K[j * ldk + c];                              \
+                S[i * lds + j] = scale * acc;                                            \
+            }                                                                            \
+    }                                                                                    \
+    static void small_pv_##SFX##_scalar(int64_t m, int64_t dv, int64_t n, const T *P,    \
+                                        int64_t ldp, const T *V, int64_t ldv, T *O,      \
+                                        int64_t ldo)                                     \
+    {                                                                                    \
+        for (int64_t i = 0; i < m; i++) {                                                \
+            T *o = O + i * ldo;                                                          \
+            for (int64_t c = 0; c < dv; c++)                                             \
+                o[c] = 0;                                                                \
+            for (int64_t j = 0; j < n; j++) {                                            \
+                T p = P[i * ldp + j];                                                    \
+                const T *v = V + j * ldv;                                                \
+                for (int64_t c = 0; c < dv; c++)                                         \
+                    o[c] += p * v[c];                                                    \
+            }                                                                            \
+        }                                                                                \
+    }
+SCALAR_SMALL(float, f32)
+SCALAR_SMALL(double, f64)
+
 static const fa_rowops scalar_ops = {
     rowmax_f32_scalar, rowmax_f64_scalar,
     expsub_sum_f32_scalar, expsub_sum_f64_scalar,
     exp_f32_scalar, exp_f64_scalar,
+    small_qk_f32_scalar, small_qk_f64_scalar,
+    small_pv_f32_scalar, small_pv_f64_scalar,
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -284,10 +319,90 @@ AVX2 static void exp_f64_avx2(const double *x, double *y, int64_t n)
     }
 }
 
+AVX2 static inline __m256 load_part_f32(const float *p, int64_t cnt)
+{
+    if (cnt >= 8)
+        return _mm256_loadu_ps(p);
+    __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_ps(p, m);
+}
+
+AVX2 static inline void store_part_f32(float *p, __m256 v, int64_t cnt)
+{
+    if (cnt >= 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(p, m, v);
+}
+
+AVX2 static inline __m256d load_part_f64(const double *p, int64_t cnt)
+{
+    if (cnt >= 4)
+        return _mm256_loadu_pd(p);
+    __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(cnt), _mm256_setr_epi64x(0, 1, 2, 3));
+    return _mm256_maskload_pd(p, m);
+}
+
+AVX2 static inline void store_part_f64(double *p, __m256d v, int64_t cnt)
+{
+    if (cnt >= 4) {
+        _mm256_storeu_pd(p, v);
+        return;
+    }
+    __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(cnt), _mm256_setr_epi64x(0, 1, 2, 3));
+    _mm256_maskstore_pd(p, m, v);
+}
+
+#define SM(name) SM_(name, f32)
+#define SM_(name, t) SM__(name, t)
+#define SM__(name, t) name##_##t
+#define ELT float
+#define VEC __m256
+#define W 8
+#define SET1 _mm256_set1_ps
+#define ZERO _mm256_setzero_ps
+#define LOADU _mm256_loadu_ps
+#define FMADD _mm256_fmadd_ps
+#define MUL _mm256_mul_ps
+#include "fa_small_avx2.h"
+#undef SM
+#undef ELT
+#undef VEC
+#undef W
+#undef SET1
+#undef ZERO
+#undef LOADU
+#undef FMADD
+#undef MUL
+
+#define SM(name) SM_(name, f64)
+#define ELT double
+#define VEC __m256d
+#define W 4
+#define SET1 _mm256_set1_pd
+#define ZERO _mm256_setzero_pd
+#define LOADU _mm256_loadu_pd
+#define FMADD _mm256_fmadd_pd
+#define MUL _mm256_mul_pd
+#include "fa_small_avx2.h"
+#undef SM
+#undef ELT
+#undef VEC
+#undef W
+#undef SET1
+#undef ZERO
+#undef LOADU
+#undef FMADD
+#undef MUL
+
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
     expsub_sum_f32_avx2, expsub_sum_f64_avx2,
     exp_f32_avx2, exp_f64_avx2,
+    small_qk_f32, small_qk_f64,
+    small_pv_f32, small_pv_f64,
 };
 
 static int cpu_has_avx2_fma(void)

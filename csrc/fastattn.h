@@ -1,7 +1,7 @@
 /*
  * fastattn C API.
  *
- * Plain C99 (+ OpenMP). Nothing here knows about Python: callers pass raw
+ * Plain C99 + POSIX threads. Nothing here knows about Python: callers pass raw
  * pointers, sizes and strides (in elements), preallocate outputs, and get a
  * status code back.  BLAS is not linked: the caller hands over Fortran-ABI
  * gemm function pointers (fastattn takes them from scipy.linalg.cython_blas).
@@ -20,6 +20,7 @@ extern "C" {
 #define FA_OK 0
 #define FA_ENOMEM 1      /* scratch allocation failed */
 #define FA_EINVAL 2      /* inconsistent arguments (a caller bug) */
+#define FA_EINTR 3       /* the stop callback asked to stop; outputs are incomplete */
 
 #define FA_MAX_BATCH_DIMS 32
 
@@ -79,14 +80,18 @@ typedef struct {
     int64_t block_q;           /* query rows per task */
     int64_t block_k;           /* key rows per tile (streaming path) */
     int path;                  /* FA_PATH_SINGLE or FA_PATH_STREAM (forced SINGLE with weights) */
-    int n_threads;             /* >= 1; 1 means no parallel region */
+    int n_threads;             /* >= 1; 1 runs on the calling thread alone */
+    /* optional: asked between tasks (about every 20 ms) on the calling
+     * thread; nonzero stops the call with FA_EINTR */
+    int (*stop)(void *stop_ctx);
+    void *stop_ctx;
 } fa_sdpa_args;
 
 int fa_sdpa_f32(const fa_sdpa_args *a);
 int fa_sdpa_f64(const fa_sdpa_args *a);
 
-/* The OpenMP runtime's default team size for the calling thread (1 without OpenMP). */
-int fa_omp_max_threads(void);
+/* Worker threads alive in fastattn's pool. */
+int fa_pool_workers(void);
 
 /* Vectorised exp over an array (in place allowed); exact 0 for -inf. */
 void fa_exp_f32(const float *x, float *y, int64_t n);

@@ -11,7 +11,7 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 cnp.import_array()
 
 cdef extern from "fastattn.h" nogil:
-    int FA_OK, FA_ENOMEM, FA_EINVAL
+    int FA_OK, FA_ENOMEM, FA_EINVAL, FA_EINTR
     int FA_MAX_BATCH_DIMS
     int FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD
     int FA_PATH_SINGLE, FA_PATH_STREAM
@@ -46,12 +46,14 @@ cdef extern from "fastattn.h" nogil:
         int64_t block_k
         int path
         int n_threads
+        int (*stop)(void *)
+        void *stop_ctx
     int fa_sdpa_f32(const fa_sdpa_args *a)
     int fa_sdpa_f64(const fa_sdpa_args *a)
     void fa_exp_f32(const float *x, float *y, int64_t n)
     void fa_exp_f64(const double *x, double *y, int64_t n)
     int fa_simd_active()
-    int fa_omp_max_threads()
+    int fa_pool_workers()
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
 
@@ -70,8 +72,9 @@ def set_blas_threads_hook(uintptr_t address):
     fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, <fa_blas_set_threads_fn>address)
 
 
-def omp_max_threads():
-    return fa_omp_max_threads()
+def pool_workers():
+    """Worker threads alive in the kernels' pool."""
+    return fa_pool_workers()
 
 
 def simd_compiled():
@@ -183,6 +186,8 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.block_k = block_k
     a.path = path
     a.n_threads = n_threads
+    a.stop = NULL
+    a.stop_ctx = NULL
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
         with nogil:
             rc = fa_sdpa_f32(&a)

@@ -6,10 +6,14 @@ Precedence, highest first:
 2. the innermost active ``fastattn.threads(n)`` context (local to the thread
    or asyncio task that entered it, via :mod:`contextvars`);
 3. ``fastattn.set_num_threads(n)`` (process-wide);
-4. the OpenMP runtime's default for the calling thread, which is
-   ``OMP_NUM_THREADS`` when set, a ``threadpoolctl.threadpool_limits(n,
-   user_api="openmp")`` limit when one is active, and otherwise the number
-   of CPUs this process may run on (its affinity mask).
+4. ``OMP_NUM_THREADS`` as it was when fastattn was imported (its first
+   entry, if it is a positive integer) — the variable people already use
+   to keep native libraries to a thread budget;
+5. the number of CPUs this process may run on (its affinity mask).
+
+The kernels run on fastattn's own worker pool, not an OpenMP runtime, so
+``threadpoolctl`` limits do not change fastattn's thread count (use
+``fastattn.threads(n)`` next to them).
 
 While a call runs with more than one thread, the SciPy BLAS that the kernels
 call is held at one thread so the two pools never oversubscribe the cores;
@@ -31,6 +35,18 @@ _context_threads: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "fastattn_threads", default=None
 )
 _blas_hook_done = False
+
+
+def _env_threads() -> int | None:
+    val = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    try:
+        n = int(val)
+    except ValueError:
+        return None
+    return n if n >= 1 else None
+
+
+_omp_env_threads = _env_threads()
 _blas_hook_library: str | None = None
 
 
@@ -62,7 +78,9 @@ def get_num_threads() -> int:
         return n
     if _global_threads is not None:
         return _global_threads
-    return max(1, min(_kernels.omp_max_threads(), _affinity_count()))
+    if _omp_env_threads is not None:
+        return _omp_env_threads
+    return _affinity_count()
 
 
 def set_num_threads(n: int | None) -> None:

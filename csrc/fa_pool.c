@@ -1,0 +1,213 @@
+/*
+ * Worker pool (see fa_pool.h for why it is not an OpenMP team).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <time.h>
+#include "fa_pool.h"
+
+#define FA_MAX_WORKERS 255
+/* How long an idle worker spins before it sleeps, and how long the caller
+ * spins on its helpers before it sleeps (nanoseconds). */
+#define FA_WORKER_SPIN_NS 50000
+#define FA_CALLER_SPIN_NS 200000
+#define FA_STOP_EVERY_NS 20000000
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+typedef struct {
+    fa_task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+    int64_t next;          /* atomic: next task to hand out */
+    int cancel;            /* atomic */
+    int max_helpers;       /* under pool lock */
+    int helpers;           /* attached workers, under pool lock */
+    int slots;             /* slots given out, under pool lock */
+} fa_job;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;   /* workers sleep here */
+    pthread_cond_t idle;   /* a caller waits here for its helpers to leave */
+    fa_job *job;           /* the open job, or NULL */
+    uint64_t gen;          /* atomic: bumped whenever a job is posted */
+    int nworkers;
+    int sleeping;
+    int atfork_done;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+       NULL, 0, 0, 0, 0};
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void run_tasks(fa_job *j, int slot)
+{
+    for (;;) {
+        if (__atomic_load_n(&j->cancel, __ATOMIC_RELAXED))
+            return;
+        int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (t >= j->ntasks)
+            return;
+        j->fn(j->ctx, t, slot);
+    }
+}
+
+static void *worker_main(void *unused)
+{
+    (void)unused;
+    uint64_t seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+    for (;;) {
+        /* spin a little: back-to-back calls find us awake */
+        int64_t until = now_ns() + FA_WORKER_SPIN_NS;
+        while (__atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen && now_ns() < until)
+            for (int i = 0; i < 64; i++)
+                cpu_relax();
+        pthread_mutex_lock(&P.lock);
+        while (P.gen == seen) {
+            P.sleeping++;
+            pthread_cond_wait(&P.wake, &P.lock);
+            P.sleeping--;
+        }
+        seen = P.gen;
+        fa_job *j = P.job;
+        if (!j || j->helpers >= j->max_helpers) {
+            pthread_mutex_unlock(&P.lock);
+            continue;
+        }
+        j->helpers++;
+        int slot = ++j->slots;
+        pthread_mutex_unlock(&P.lock);
+
+        run_tasks(j, slot);
+
+        pthread_mutex_lock(&P.lock);
+        if (__atomic_sub_fetch(&j->helpers, 1, __ATOMIC_RELEASE) == 0)
+            pthread_cond_broadcast(&P.idle);
+        pthread_mutex_unlock(&P.lock);
+    }
+    return NULL;
+}
+
+static void atfork_child(void)
+{
+    /* the workers did not survive the fork: start over with an empty pool */
+    pthread_mutex_init(&P.lock, NULL);
+    pthread_cond_init(&P.wake, NULL);
+    pthread_cond_init(&P.idle, NULL);
+    P.job = NULL;
+    P.nworkers = 0;
+    P.sleeping = 0;
+}
+
+/* Make sure at least n workers exist; returns how many do.  Under P.lock. */
+static int ensure_workers(int n)
+{
+    if (!P.atfork_done) {
+        pthread_atfork(NULL, NULL, atfork_child);
+        P.atfork_done = 1;
+    }
+    if (n > FA_MAX_WORKERS)
+        n = FA_MAX_WORKERS;
+    while (P.nworkers < n) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        int rc = pthread_create(&th, &attr, worker_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        P.nworkers++;
+    }
+    return P.nworkers;
+}
+
+int fa_pool_workers(void)
+{
+    pthread_mutex_lock(&P.lock);
+    int n = P.nworkers;
+    pthread_mutex_unlock(&P.lock);
+    return n;
+}
+
+/* The caller's own loop, with the stop check. */
+static void caller_tasks(fa_job *j, fa_stop_fn stop, void *stop_ctx)
+{
+    if (!stop) {
+        run_tasks(j, 0);
+        return;
+    }
+    int64_t next_check = now_ns() + FA_STOP_EVERY_NS;
+    for (;;) {
+        if (__atomic_load_n(&j->cancel, __ATOMIC_RELAXED))
+            return;
+        int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (t >= j->ntasks)
+            return;
+        j->fn(j->ctx, t, 0);
+        if (now_ns() >= next_check) {
+            if (stop(stop_ctx)) {
+                __atomic_store_n(&j->cancel, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            next_check = now_ns() + FA_STOP_EVERY_NS;
+        }
+    }
+}
+
+int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
+                fa_stop_fn stop, void *stop_ctx)
+{
+    fa_job j = {fn, ctx, ntasks, 0, 0, 0, 0, 0};
+    int helpers = nthreads - 1;
+    if (helpers > ntasks - 1)
+        helpers = (int)(ntasks - 1);
+    int posted = 0;
+    if (helpers > 0) {
+        pthread_mutex_lock(&P.lock);
+        if (ensure_workers(helpers) > 0 && P.job == NULL) {
+            /* another call may be using the pool: then this one runs alone */
+            j.max_helpers = helpers;
+            P.job = &j;
+            __atomic_add_fetch(&P.gen, 1, __ATOMIC_RELEASE);
+            if (P.sleeping > 0)
+                pthread_cond_broadcast(&P.wake);
+            posted = 1;
+        }
+        pthread_mutex_unlock(&P.lock);
+    }
+
+    caller_tasks(&j, stop, stop_ctx);
+
+    if (posted) {
+        /* close the job to late-comers, then wait only for tasks already started */
+        pthread_mutex_lock(&P.lock);
+        P.job = NULL;
+        int busy = j.helpers;
+        pthread_mutex_unlock(&P.lock);
+        if (busy) {
+            int64_t until = now_ns() + FA_CALLER_SPIN_NS;
+            while (__atomic_load_n(&j.helpers, __ATOMIC_ACQUIRE) > 0 && now_ns() < until)
+                for (int i = 0; i < 64; i++)
+                    cpu_relax();
+            pthread_mutex_lock(&P.lock);
+            while (j.helpers > 0)
+                pthread_cond_wait(&P.idle, &P.lock);
+            pthread_mutex_unlock(&P.lock);
+        }
+    }
+    return __atomic_load_n(&j.cancel, __ATOMIC_RELAXED) ? 1 : 0;
+}
