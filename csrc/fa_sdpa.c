@@ -17,7 +17,7 @@ static fa_sgemm_fn g_sgemm = NULL;
 static fa_dgemm_fn g_dgemm = NULL;
 static fa_blas_set_threads_fn g_blas_set_threads = NULL;
 
-/* BLAS is held at one thread while a team of ours runs.  Calls may overlap
+/* BLAS is held at one thread while a kernel of ours calls it.  Calls may overlap
  * (an app's threads call in concurrently), so the first one in saves the
  * library's setting and the last one out restores it. */
 static pthread_mutex_t g_blas_lock = PTHREAD_MUTEX_INITIALIZER;

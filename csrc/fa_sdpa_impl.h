@@ -70,6 +70,17 @@ static inline void FN(scale_row)(REAL *x, int64_t n, REAL f)
         x[c] *= f;
 }
 
+/* Final touch on an output row with softmax denominator l: a row that may
+ * attend to nothing is exactly zero (even if masked-out values hold NaN or
+ * inf); otherwise divide by l when asked. */
+static inline void FN(finish_row)(REAL *o, int64_t dv, REAL l, int divide)
+{
+    if (l == (REAL)0)
+        memset(o, 0, (size_t)dv * sizeof(REAL));
+    else if (divide)
+        FN(scale_row)(o, dv, (REAL)1 / l);
+}
+
 /* Exclusive end of the keys any row in [i0, i0+m) may see. */
 static inline int64_t FN(key_end)(const fa_sdpa_args *a, int64_t i0, int64_t m)
 {
@@ -128,28 +139,26 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
                              scratch + m * a->Lk + m);
         else
             FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
+        REAL *lsum = scratch + m * a->Lk;  /* softmax denominators */
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * lds;
             FN(mask_row)(a, mb, bb, s, i0 + r, 0, kend);
             REAL mx = FN(ops_rowmax)(ops, s, kend);
             REAL l = FN(ops_expsub)(ops, s, kend, mx == (REAL)(-INFINITY) ? (REAL)0 : mx);
-            REAL inv = l == (REAL)0 ? (REAL)0 : (REAL)1 / l;
+            lsum[r] = l;
             if (W) {
-                FN(scale_row)(s, kend, inv);
+                FN(scale_row)(s, kend, l == (REAL)0 ? (REAL)0 : (REAL)1 / l);
                 if (kend < a->Lk)
                     memset(s + kend, 0, (size_t)(a->Lk - kend) * sizeof(REAL));
-            } else {
-                /* normalise the output row instead of P; remember 1/l in place of s[0..) */
-                scratch[m * kend + r] = inv;
             }
         }
         if (direct)
             FN(ops_small_pv)(ops, m, dv, kend, S, lds, V, a->ldv, O, a->ldo);
         else
             FN(rm_gemm)('N', 'N', m, dv, kend, (REAL)1, S, lds, V, a->ldv, (REAL)0, O, a->ldo);
-        if (!W)
-            for (int64_t r = 0; r < m; r++)
-                FN(scale_row)(O + r * a->ldo, dv, scratch[m * kend + r]);
+        /* without weights P was left unnormalised: divide the output rows instead */
+        for (int64_t r = 0; r < m; r++)
+            FN(finish_row)(O + r * a->ldo, dv, lsum[r], !W);
         return;
     }
 
@@ -193,7 +202,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         return;
     }
     for (int64_t r = 0; r < m; r++)
-        FN(scale_row)(O + r * a->ldo, dv, Ls[r] == (REAL)0 ? (REAL)0 : (REAL)1 / Ls[r]);
+        FN(finish_row)(O + r * a->ldo, dv, Ls[r], 1);
 }
 
 /* Scratch elements one task needs. */
@@ -257,10 +266,13 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
     int nt = a->n_threads;
     if (nt > ntasks)
         nt = (int)ntasks;
-    if (nt > 1)
+    /* BLAS is held at one thread whenever it runs: our threads (or the app's,
+     * calling concurrently) each call it on their own tiles */
+    const int blas = !(a->path == FA_PATH_SINGLE && FN(use_direct)(a));
+    if (blas)
         fa_blas_threads_enter();
     int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop, a->stop_ctx);
-    if (nt > 1)
+    if (blas)
         fa_blas_threads_exit();
     if (stopped)
         return FA_EINTR;

@@ -171,8 +171,13 @@ AVX2 static inline __m256d exp4_f64(__m256d x)
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 24.0));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0 / 6.0));
     p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(0.5));
+    /* 1 + r + r^2 p with the leading sum split exactly (Fast2Sum, |r| < 1):
+     * s + lo == 1 + r, so only the last addition rounds at full weight */
     __m256d r2 = _mm256_mul_pd(r, r);
-    __m256d e = _mm256_add_pd(_mm256_fmadd_pd(p, r2, r), _mm256_set1_pd(1.0));
+    const __m256d one = _mm256_set1_pd(1.0);
+    __m256d s = _mm256_add_pd(one, r);
+    __m256d slo = _mm256_add_pd(_mm256_sub_pd(one, s), r);
+    __m256d e = _mm256_add_pd(s, _mm256_fmadd_pd(p, r2, slo));
     /* 2^n1 * 2^n2 built from 32-bit integers widened to 64 */
     __m128i ni = _mm256_cvtpd_epi32(n);
     __m128i n1 = _mm_srai_epi32(ni, 1);

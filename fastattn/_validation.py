@@ -74,7 +74,7 @@ def canonical_matrix_stack(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if a.dtype != dtype:
         return np.ascontiguousarray(a, dtype=dtype)
     if not a.flags.aligned:
-        return np.ascontiguousarray(a)
+        return np.array(a, order="C")  # ascontiguousarray keeps unaligned memory
     item = dtype.itemsize
     rows, cols = a.shape[-2], a.shape[-1]
     st = a.strides
@@ -87,7 +87,13 @@ def canonical_matrix_stack(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return a
 
 
-def broadcast_batch(shapes: list[tuple[str, tuple]]) -> tuple:
+def broadcast_batch(shapes: list[tuple[str, tuple]], max_dims: int) -> tuple:
+    for name, shape in shapes:
+        if len(shape) > max_dims:
+            raise ValueError(
+                f"{name}: too many leading dims (at most {max_dims} batch dims are "
+                f"supported), got {len(shape)}"
+            )
     try:
         return np.broadcast_shapes(*(s for _, s in shapes))
     except ValueError:

@@ -89,6 +89,8 @@ def _check_out(out, shape, dtype):
         raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out: the array is read-only")
+    if out.size == 0:
+        return
     # no element may be reachable twice (e.g. a broadcast view)
     dims = sorted((abs(st), n) for st, n in zip(out.strides, out.shape) if n > 1)
     span = out.itemsize
@@ -205,6 +207,12 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
             f"value: expected {Lk} rows (the number of keys Lk), got value of shape {v.shape}"
         )
     shapes = [("query", q.shape[:-2]), ("key", k.shape[:-2]), ("value", v.shape[:-2])]
+    for name, val in (("Lq", Lq), ("Lk", Lk), ("d", d), ("dv", dv)):
+        if val > BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}={val} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX})"
+            )
+
 
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
@@ -245,16 +253,10 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
             mask = mask.astype(cdt)
         if mk != Lk:  # one value for every key: spell it out along the key axis
             mask = np.broadcast_to(mask, mask.shape[:-1] + (Lk,))
-        if Lk > 1 and mask.strides[-1] != mask.itemsize:
-            mask = np.ascontiguousarray(mask)
-        elif not mask.flags.aligned:
-            mask = np.ascontiguousarray(mask)
+        if (Lk > 1 and mask.strides[-1] != mask.itemsize) or not mask.flags.aligned:
+            mask = np.array(mask, order="C")  # a fresh, aligned, contiguous copy
 
-    batch = broadcast_batch(shapes)
-    if len(batch) > _kernels.MAX_BATCH_DIMS:
-        raise ValueError(
-            f"too many leading dims: at most {_kernels.MAX_BATCH_DIMS} supported, got {len(batch)}"
-        )
+    batch = broadcast_batch(shapes, _kernels.MAX_BATCH_DIMS)
 
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
@@ -264,12 +266,6 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
         scale = float(scale)
 
     nt = _threads.resolve(n_threads)
-
-    for name, val in (("Lq", Lq), ("Lk", Lk), ("d", d), ("dv", dv)):
-        if val > BLAS_INT_MAX:
-            raise ValueError(
-                f"{name}={val} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX})"
-            )
 
     out_shape = batch + (Lq, dv)
     if out is not None:
@@ -298,6 +294,7 @@ def _run(p: _Prepared):
     direct = (
         user_out is not None
         and p.rdt == p.cdt
+        and user_out.flags.aligned
         and user_out.strides[-1] in (p.cdt.itemsize,) + ((0,) if p.dv <= 1 else ())
         and not any(np.may_share_memory(user_out, a) for a in (p.q, p.k, p.v)
                     if a is not None)
@@ -323,8 +320,7 @@ def _run(p: _Prepared):
             res_k = np.empty(p.batch + (p.Lq, 1), p.cdt)
         path, bq, bk, nt, _, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
                                        p.want_weights, p.n_threads)
-        if nt > 1:
-            _threads.ensure_blas_hook()
+        _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
                            p.causal, p.causal_offset, p.scale, bq, bk, path, nt)
         if rc == 1:
