@@ -1,7 +1,7 @@
 """pytest-benchmark configuration for fastattn.
 
-Run with ``python -m pytest benchmarks/ --benchmark-only``; the default
-``python -m pytest`` collects only ``tests/`` (``testpaths`` in pyproject).
+Run with ``pytest benchmarks/ --benchmark-only``; the default
+``pytest`` collects only ``tests/`` (``testpaths`` in pyproject).
 """
 import fastattn
 from fastattn import _bench, _threads

@@ -16,7 +16,7 @@ Every benchmark checks the result it timed against the NumPy result
 (outside the timing), and the NumPy baseline is itself checked against the
 float64 oracle, so a broken kernel cannot look fast.
 
-    python -m pytest benchmarks/ --benchmark-only
+    pytest benchmarks/ --benchmark-only
 """
 from __future__ import annotations
 

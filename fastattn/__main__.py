@@ -3,7 +3,7 @@
 ``demo`` (the default) runs self-attention over a sample sentence and prints
 each word's strongest links, then times fastattn against plain NumPy.
 ``bench`` prints a quick timing table (fastattn, NumPy, and torch when it is
-importable); the full benchmark suite is ``python -m pytest benchmarks/
+importable); the full benchmark suite is ``pytest benchmarks/
 --benchmark-only``.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Median time per call of scaled_dot_product_attention "
                                        "for a few shapes, against plain NumPy and, when it is "
                                        "importable, torch.  For the full suite run "
-                                       "'python -m pytest benchmarks/ --benchmark-only'.")
+                                       "'pytest benchmarks/ --benchmark-only'.")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true", help="causal (top-left) attention")
     bench.add_argument("--shape", dest="shapes", type=_shape, action="append", metavar="BxHxNxd",

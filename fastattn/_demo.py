@@ -131,5 +131,5 @@ def run(text: str = SENTENCE, scale: float = SCALE, timing: bool = True, budget:
         say(f"  {label:<26}{_bench.format_us(t_fa) + ' ' + us:>12}"
             f"{_bench.format_us(t_np) + ' ' + us:>12}{t_np / t_fa:>15.2f}x")
     say()
-    say("  more: python -m fastattn bench   |   python -m pytest benchmarks/ --benchmark-only")
+    say("  more: fastattn bench   |   pytest benchmarks/ --benchmark-only")
     return 0

@@ -270,3 +270,61 @@ def test_blas_threads_restored_after_parallel_call(rng):
     with concurrent.futures.ThreadPoolExecutor(3) as ex:
         list(ex.map(lambda _: sdpa(q, k, v, n_threads=2), range(6)))
     assert get() == before
+
+
+@pytest.mark.parametrize("env, expected", [("3", 3), ("1,2", 1), ("junk", None), ("0", None)])
+def test_omp_num_threads_sets_the_default(env, expected):
+    """OMP_NUM_THREADS (read at import) is the default; invalid values are ignored."""
+    from conftest import run_child
+
+    code = (
+        "import os, fastattn; n = fastattn.get_num_threads(); "
+        "print(n, len(os.sched_getaffinity(0)))"
+    )
+    res = run_child(code, env_update={"OMP_NUM_THREADS": env})
+    assert res.returncode == 0, res.stderr
+    got, ncpu = map(int, res.stdout.split())
+    assert got == (expected if expected is not None else ncpu)
+
+
+def test_call_in_forked_child_after_parallel_call(rng):
+    """The pool does not survive fork(); the child must start a fresh one, not hang."""
+    import os
+
+    q, k, v = randn(rng, (4, 64, 32)), randn(rng, (4, 200, 32)), randn(rng, (4, 200, 32))
+    ref = oracle(q, k, v)
+    sdpa(q, k, v, n_threads=2)  # parent's workers exist now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        ok = 0
+        try:
+            r = sdpa(q, k, v, n_threads=2)
+            ok = int(np.allclose(r, ref, rtol=1e-4, atol=1e-5))
+        finally:
+            os._exit(0 if ok else 3)
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    pytest.fail("the call in the forked child hung")
+
+
+def test_pool_workers_sleep_after_a_call(rng):
+    """After a parallel call returns, no worker of ours keeps spinning a core."""
+    import time
+
+    q, k, v = randn(rng, (4, 64, 32)), randn(rng, (4, 200, 32)), randn(rng, (4, 200, 32))
+    sdpa(q, k, v, n_threads=2)
+    assert fastattn._kernels.pool_workers() >= 1
+    time.sleep(0.2)  # ours spin for at most 50 us (OpenBLAS pools elsewhere: ~0.1 s)
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(0.3)
+    used = time.process_time() - c0
+    # an idle process: well under one busy core over the interval
+    assert used < 0.5 * (time.perf_counter() - t0)
