@@ -135,8 +135,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         int64_t lds = W ? a->ldw : kend;
         const int direct = FN(use_direct)(a);
         if (direct)
-            FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds,
-                             scratch + m * a->Lk + m);
+            FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds);
         else
             FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
         REAL *lsum = scratch + m * a->Lk;  /* softmax denominators */
@@ -210,10 +209,7 @@ static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
     if (a->weights || a->path == FA_PATH_SINGLE) {
-        int64_t n = m * a->Lk + m;     /* scores (unless written into weights) and 1/l */
-        if (FN(use_direct)(a))
-            n += a->d * (a->Lk + 8);   /* K transposed for the direct products */
-        return n;
+        return m * a->Lk + m;          /* scores (unless written into weights) and l */
     }
     return m * a->block_k + 2 * m;
 }

@@ -69,9 +69,8 @@ static void exp_f64_scalar(const double *x, double *y, int64_t n)
 #define SCALAR_SMALL(T, SFX)                                                          \
     static void small_qk_##SFX##_scalar(int64_t m, int64_t n, int64_t d, T scale,        \
                                         const T *Q, int64_t ldq, const T *K, int64_t ldk, \
-                                        T *S, int64_t lds, T *kt)                        \
+                                        T *S, int64_t lds)                               \
     {                                                                                    \
-        (void)kt;                                                                        \
         for (int64_t i = 0; i < m; i++)                                                  \
             for (int64_t j = 0; j < n; j++) {                                            \
                 T acc = 0;                                                               \
@@ -358,6 +357,35 @@ AVX2 static inline void store_part_f64(double *p, __m256d v, int64_t cnt)
     }
     __m256i m = _mm256_cmpgt_epi64(_mm256_set1_epi64x(cnt), _mm256_setr_epi64x(0, 1, 2, 3));
     _mm256_maskstore_pd(p, m, v);
+}
+
+/* four accumulators -> their four sums */
+AVX2 static inline __m128 hsum4_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+AVX2 static inline void store4_f32(float *p, __m128 v, float scale, int cnt)
+{
+    v = _mm_mul_ps(v, _mm_set1_ps(scale));
+    if (cnt >= 4) {
+        _mm_storeu_ps(p, v);
+        return;
+    }
+    __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32(cnt), _mm_setr_epi32(0, 1, 2, 3));
+    _mm_maskstore_ps(p, m, v);
+}
+
+AVX2 static inline __m256d hsum4_f64(__m256d a0, __m256d a1, __m256d a2, __m256d a3)
+{
+    __m256d t0 = _mm256_hadd_pd(a0, a1), t1 = _mm256_hadd_pd(a2, a3);
+    return _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20), _mm256_permute2f128_pd(t0, t1, 0x31));
+}
+
+AVX2 static inline void store4_f64(double *p, __m256d v, double scale, int cnt)
+{
+    store_part_f64(p, _mm256_mul_pd(v, _mm256_set1_pd(scale)), cnt);
 }
 
 #define SM(name) SM_(name, f32)

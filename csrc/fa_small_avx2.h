@@ -3,10 +3,10 @@
  *   S (m x n)  = scale * Q (m x d) . K (n x d)^T     (small_qk)
  *   O (m x dv) = P (m x n) . V (n x dv)              (small_pv)
  * AVX2/FMA, instantiated for float and double by fa_simd.c with VEC, W
- * (lanes) and the intrinsic names defined.  Two rows at a time share every
- * load of K (transposed into kt first) or V; the column-block width NC is a
- * compile-time constant in each instance so the accumulators stay in
- * registers.
+ * (lanes) and the intrinsic names defined.  small_qk works on blocks of
+ * 2 query rows x 4 keys as dot products; small_pv on 2 rows that share every
+ * load of V, with the column-block width NC a compile-time constant in each
+ * instance so the accumulators stay in registers.
  */
 
 
@@ -32,60 +32,54 @@
     } while (0)
 #endif
 
-/* rows i, i+1 (TWO = 1) or i alone, columns [j0, j0 + NC*W) of S; one
- * function per (NC, TWO) so the accumulators live in registers */
-#define QK_BLOCK(NC, TWO)                                                                 \
-    AVX2 static void SM(qk_block_##NC##_##TWO)(int64_t d, int64_t np, int64_t n, VEC vs,   \
-                                               const ELT *q0, const ELT *q1,             \
-                                               const ELT *kt, ELT *s0, ELT *s1)          \
-    {                                                                                    \
-        VEC a0[4], a1[4];                                                                \
-        for (int u = 0; u < NC; u++)                                                     \
-            a0[u] = a1[u] = ZERO();                                                      \
-        for (int64_t c = 0; c < d; c++) {                                                \
-            const ELT *kr = kt + c * np;                                                 \
-            VEC b0 = SET1(q0[c]);                                                        \
-            VEC b1 = TWO ? SET1(q1[c]) : b0;                                             \
-            for (int u = 0; u < NC; u++) {                                               \
-                VEC kv = LOADU(kr + u * W);                                              \
-                a0[u] = FMADD(b0, kv, a0[u]);                                            \
-                if (TWO)                                                                 \
-                    a1[u] = FMADD(b1, kv, a1[u]);                                        \
-            }                                                                            \
-        }                                                                                \
-        for (int u = 0; u < NC; u++) {                                                   \
-            SM(store_part)(s0 + u * W, MUL(a0[u], vs), n - u * W);                       \
-            if (TWO)                                                                     \
-                SM(store_part)(s1 + u * W, MUL(a1[u], vs), n - u * W);                   \
-        }                                                                                \
+/* S rows i, i+1 by keys j..j+3 as dot products over d: eight accumulators
+ * (enough independent FMAs to hide their latency), one horizontal reduction
+ * per block.  Missing keys repeat the last one; only valid results are stored. */
+AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *k0,
+                            const ELT *k1, const ELT *k2, const ELT *k3, ELT scale,
+                            ELT *s0, ELT *s1, int nkeys, int second)
+{
+    VEC a00 = ZERO(), a01 = ZERO(), a02 = ZERO(), a03 = ZERO();
+    VEC a10 = ZERO(), a11 = ZERO(), a12 = ZERO(), a13 = ZERO();
+    int64_t c = 0;
+    for (; c + W <= d; c += W) {
+        VEC x0 = LOADU(q0 + c), x1 = LOADU(q1 + c);
+        VEC y0 = LOADU(k0 + c), y1 = LOADU(k1 + c), y2 = LOADU(k2 + c), y3 = LOADU(k3 + c);
+        a00 = FMADD(x0, y0, a00); a01 = FMADD(x0, y1, a01);
+        a02 = FMADD(x0, y2, a02); a03 = FMADD(x0, y3, a03);
+        a10 = FMADD(x1, y0, a10); a11 = FMADD(x1, y1, a11);
+        a12 = FMADD(x1, y2, a12); a13 = FMADD(x1, y3, a13);
     }
-QK_BLOCK(1, 0) QK_BLOCK(2, 0) QK_BLOCK(3, 0) QK_BLOCK(4, 0)
-QK_BLOCK(1, 1) QK_BLOCK(2, 1) QK_BLOCK(3, 1) QK_BLOCK(4, 1)
-#undef QK_BLOCK
+    if (c < d) {
+        int64_t r = d - c;
+        VEC x0 = SM(load_part)(q0 + c, r), x1 = SM(load_part)(q1 + c, r);
+        VEC y0 = SM(load_part)(k0 + c, r), y1 = SM(load_part)(k1 + c, r);
+        VEC y2 = SM(load_part)(k2 + c, r), y3 = SM(load_part)(k3 + c, r);
+        a00 = FMADD(x0, y0, a00); a01 = FMADD(x0, y1, a01);
+        a02 = FMADD(x0, y2, a02); a03 = FMADD(x0, y3, a03);
+        a10 = FMADD(x1, y0, a10); a11 = FMADD(x1, y1, a11);
+        a12 = FMADD(x1, y2, a12); a13 = FMADD(x1, y3, a13);
+    }
+    SM(store4)(s0, SM(hsum4)(a00, a01, a02, a03), scale, nkeys);
+    if (second)
+        SM(store4)(s1, SM(hsum4)(a10, a11, a12, a13), scale, nkeys);
+}
 
-/* kt must hold d * round_up(n, W) elements. */
 AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
                               const ELT *Q, int64_t ldq, const ELT *K, int64_t ldk,
-                              ELT *S, int64_t lds, ELT *kt)
+                              ELT *S, int64_t lds)
 {
-    const int64_t np = (n + W - 1) / W * W;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t c = 0; c < d; c++)
-            kt[c * np + j] = K[j * ldk + c];
-    for (int64_t j = n; j < np; j++)
-        for (int64_t c = 0; c < d; c++)
-            kt[c * np + j] = (ELT)0;
-    const VEC vs = SET1(scale);
-    for (int64_t j0 = 0; j0 < np; j0 += 4 * W) {
-        const int nc = (int)((np - j0) / W < 4 ? (np - j0) / W : 4);
-        const ELT *ktj = kt + j0;
-        for (int64_t i = 0; i < m; i += 2) {
-            int two = i + 1 < m;
-            const ELT *q0 = Q + i * ldq, *q1 = two ? q0 + ldq : q0;
-            ELT *s0 = S + i * lds + j0, *s1 = two ? s0 + lds : s0;
-#define QK(NC, TWO) SM(qk_block_##NC##_##TWO)(d, np, n - j0, vs, q0, q1, ktj, s0, s1)
-            FA_SMALL_DISPATCH(QK, nc, two);
-#undef QK
+    for (int64_t i = 0; i < m; i += 2) {
+        int second = i + 1 < m;
+        const ELT *q0 = Q + i * ldq, *q1 = second ? q0 + ldq : q0;
+        ELT *s0 = S + i * lds, *s1 = s0 + lds;
+        for (int64_t j = 0; j < n; j += 4) {
+            int nk = n - j < 4 ? (int)(n - j) : 4;
+            const ELT *k0 = K + j * ldk;
+            const ELT *k1 = nk > 1 ? k0 + ldk : k0;
+            const ELT *k2 = nk > 2 ? k0 + 2 * ldk : k0;
+            const ELT *k3 = nk > 3 ? k0 + 3 * ldk : k0;
+            SM(qk_2x4)(d, q0, q1, k0, k1, k2, k3, scale, s0 + j, s1 + j, nk, second);
         }
     }
 }

@@ -46,7 +46,7 @@ def _env_threads() -> int | None:
     return n if n >= 1 else None
 
 
-_omp_env_threads = _env_threads()
+
 _blas_hook_library: str | None = None
 
 
@@ -71,6 +71,10 @@ def _affinity_count() -> int:
         return os.cpu_count() or 1
 
 
+# The default is fixed at import (like OpenMP runtimes read OMP_NUM_THREADS once).
+_default_threads = _env_threads() or _affinity_count()
+
+
 def get_num_threads() -> int:
     """Number of threads a call without ``n_threads`` would use right now."""
     n = _context_threads.get()
@@ -78,9 +82,7 @@ def get_num_threads() -> int:
         return n
     if _global_threads is not None:
         return _global_threads
-    if _omp_env_threads is not None:
-        return _omp_env_threads
-    return _affinity_count()
+    return _default_threads
 
 
 def set_num_threads(n: int | None) -> None:
@@ -106,7 +108,12 @@ def threads(n: int):
 def resolve(n_threads) -> int:
     """The thread count for one call (``n_threads`` validated when given)."""
     if n_threads is None:
-        return get_num_threads()
+        n = _context_threads.get()
+        if n is not None:
+            return n
+        return _default_threads if _global_threads is None else _global_threads
+    if type(n_threads) is int and n_threads >= 1:
+        return n_threads
     return _check_count(n_threads, "n_threads")
 
 

@@ -45,6 +45,15 @@ BLOCK_K = 256
 # Below this many flops a call runs on the calling thread alone.
 PARALLEL_MIN_FLOPS = 2_000_000
 
+_PATH_SINGLE = _kernels.PATH_SINGLE
+_PATH_STREAM = _kernels.PATH_STREAM
+_MASK_NONE = _kernels.MASK_NONE
+_MAX_BATCH_DIMS = _kernels.MAX_BATCH_DIMS
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+_ndarray = np.ndarray
+_sdpa_kernel = _kernels.sdpa
+
 
 class Plan(NamedTuple):
     """How a call is executed (see :func:`explain`)."""
@@ -62,22 +71,45 @@ class Plan(NamedTuple):
     reason: str
 
 
-def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads):
-    nb = math.prod(batch_shape)
-    if want_weights:
-        path, bk, why = _kernels.PATH_SINGLE, Lk, "weights requested: scores written into the weights output"
-    elif Lk <= SINGLE_PASS_MAX_KEYS:
-        path, bk, why = _kernels.PATH_SINGLE, Lk, f"Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
+_plan_cache: dict = {}
+
+
+def _cached_plan(batch_shape, Lq, Lk, d, dv, n_threads):
+    """_plan without weights, memoised: repeated calls of one shape skip the arithmetic."""
+    key = (batch_shape, Lq, Lk, d, dv, n_threads)
+    plan = _plan_cache.get(key)
+    if plan is None:
+        if len(_plan_cache) >= 256:
+            _plan_cache.clear()
+        plan = _plan_cache[key] = _plan(batch_shape, Lq, Lk, d, dv, False, n_threads)
+    return plan
+
+
+def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, why=False):
+    """(path, block_q, block_k, threads, tasks[, reason]) for one call."""
+    nb = 1
+    for n in batch_shape:
+        nb *= n
+    if want_weights or Lk <= SINGLE_PASS_MAX_KEYS:
+        path, bk = _PATH_SINGLE, Lk
     else:
-        path, bk, why = _kernels.PATH_STREAM, BLOCK_K, f"Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over key tiles"
-    bq = min(BLOCK_Q, max(Lq, 1))
+        path, bk = _PATH_STREAM, BLOCK_K
+    bq = BLOCK_Q if Lq > BLOCK_Q else max(Lq, 1)
     ntasks = nb * (-(-Lq // bq))
-    flops = 2.0 * nb * Lq * Lk * (d + dv)
     nt = n_threads
-    if flops < PARALLEL_MIN_FLOPS:
+    if 2.0 * nb * Lq * Lk * (d + dv) < PARALLEL_MIN_FLOPS:
         nt = 1
-    nt = max(1, min(nt, ntasks))
-    return path, bq, bk, nt, ntasks, why
+    if nt > ntasks:
+        nt = max(ntasks, 1)
+    if not why:
+        return path, bq, bk, nt, ntasks
+    if want_weights:
+        reason = "weights requested: scores written into the weights output"
+    elif path == _PATH_SINGLE:
+        reason = f"Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
+    else:
+        reason = f"Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over key tiles"
+    return path, bq, bk, nt, ntasks, reason
 
 
 def _check_out(out, shape, dtype):
@@ -155,9 +187,52 @@ def scaled_dot_product_attention(
     in float32 (returned as float16), integers and bool as float64.  Complex
     inputs raise TypeError.
     """
+    # The common call -- three C-contiguous, aligned, writeable arrays of one
+    # native float dtype with equal leading dims, no mask, out or weights --
+    # skips canonicalisation (there is nothing to canonicalise).  Every check
+    # that could fail is still made; anything unusual takes the general path.
+    if (attn_mask is None and out is None and return_weights is False
+            and type(query) is _ndarray and type(key) is _ndarray and type(value) is _ndarray):
+        dt = query.dtype
+        qs, ks, vs = query.shape, key.shape, value.shape
+        n = len(qs)
+        if ((dt is _F32 or dt is _F64) and dt is key.dtype and dt is value.dtype
+                and 2 <= n <= _MAX_BATCH_DIMS + 2 and len(ks) == n and len(vs) == n
+                and (is_causal is False or is_causal is True)
+                and query.flags.carray and key.flags.carray and value.flags.carray):
+            batch = qs[:-2]
+            Lq, d = qs[-2], qs[-1]
+            Lk, dv = vs[-2], vs[-1]
+            if (ks[:-2] == batch and vs[:-2] == batch and ks[-1] == d and ks[-2] == Lk
+                    and 0 < d <= BLAS_INT_MAX and 0 < dv <= BLAS_INT_MAX
+                    and 0 < Lk <= BLAS_INT_MAX and Lq <= BLAS_INT_MAX
+                    and (scale is None or type(scale) is float)):
+                off = 0
+                if is_causal and causal_alignment != "top_left":
+                    if causal_alignment != "bottom_right":
+                        raise ValueError(
+                            "causal_alignment: expected 'top_left' or 'bottom_right', "
+                            f"got {causal_alignment!r}")
+                    off = Lk - Lq
+                res = np.empty(batch + (Lq, dv), dt)
+                path, bq, bk, nt, _ = _cached_plan(batch, Lq, Lk, d, dv, _threads.resolve(n_threads))
+                if not _threads._blas_hook_done:
+                    _threads.ensure_blas_hook()
+                rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res, None, batch,
+                                  is_causal, off, 1.0 / math.sqrt(d) if scale is None else scale,
+                                  bq, bk, path, nt)
+                if rc:
+                    _raise_status(rc)
+                return res
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
                  causal_alignment, out, n_threads)
     return _run(p)
+
+
+def _raise_status(rc):
+    if rc == 1:
+        raise MemoryError("fastattn: could not allocate kernel scratch memory")
+    raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")  # a bug
 
 
 class _Prepared(NamedTuple):
@@ -318,15 +393,13 @@ def _run(p: _Prepared):
         if p.dv == 0:  # weights wanted but nothing to combine: use a dummy value column
             v = np.zeros(p.v.shape[:-1] + (1,), p.cdt)
             res_k = np.empty(p.batch + (p.Lq, 1), p.cdt)
-        path, bq, bk, nt, _, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
-                                       p.want_weights, p.n_threads)
+        path, bq, bk, nt, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
+                                    p.want_weights, p.n_threads)
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
                            p.causal, p.causal_offset, p.scale, bq, bk, path, nt)
-        if rc == 1:
-            raise MemoryError("fastattn: could not allocate kernel scratch memory")
-        if rc != 0:  # pragma: no cover - a bug, not a user error
-            raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")
+        if rc:
+            _raise_status(rc)
 
     if user_out is not None:
         if not direct:
@@ -357,7 +430,7 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
                     {0: "none", 1: "bool", 2: "additive"}[p.mask_kind], p.copies,
                     "nothing to compute: a dimension of the output is 0")
     path, bq, bk, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
-                                          p.want_weights, p.n_threads)
+                                          p.want_weights, p.n_threads, why=True)
     if nt < p.n_threads:
         why += f"; {nt} thread(s): " + ("small problem" if ntasks >= p.n_threads else f"only {ntasks} task(s)")
     return Plan(
