@@ -138,7 +138,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds);
         else
             FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
-        REAL *lsum = scratch + m * a->Lk;  /* softmax denominators */
+        REAL *lsum = W ? scratch : scratch + m * a->Lk;  /* softmax denominators */
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * lds;
             FN(mask_row)(a, mb, bb, s, i0 + r, 0, kend);
@@ -208,8 +208,10 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
 static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
-    if (a->weights || a->path == FA_PATH_SINGLE) {
-        return m * a->Lk + m;          /* scores (unless written into weights) and l */
+    if (a->weights)
+        return m;                      /* scores go straight into the weights: just l */
+    if (a->path == FA_PATH_SINGLE) {
+        return m * a->Lk + m;          /* scores and l */
     }
     return m * a->block_k + 2 * m;
 }

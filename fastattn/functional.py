@@ -36,12 +36,18 @@ __all__ = ["scaled_dot_product_attention", "explain", "Plan"]
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 
-# Tiling.  Keys up to SINGLE_PASS_MAX_KEYS are scored in one pass per query
-# block (exact two-pass softmax over the whole row); longer key sequences
-# stream over tiles of BLOCK_K keys with an online softmax.
+# Tiling, chosen by measurement on a 2-core AVX2 machine (L2 512 KiB-1 MiB a
+# core; the sweep is benchmarks/tune_tiles.py).  Keys up to
+# SINGLE_PASS_MAX_KEYS are scored in one pass per query block (exact two-pass
+# softmax over the whole row); longer key sequences stream over tiles of
+# BLOCK_K keys with an online softmax.  Query blocks: as large as BLOCK_Q_MAX
+# without causality (fewer, larger BLAS calls: 256 rows were 5-20 % faster
+# than 128 and 64); with causality smaller blocks waste less work above the
+# diagonal, so they grow with the key length instead.
 SINGLE_PASS_MAX_KEYS = 512
-BLOCK_Q = 64
 BLOCK_K = 256
+BLOCK_Q_MAX = 256
+BLOCK_Q_MIN = 32
 # Below this many flops a call runs on the calling thread alone.
 PARALLEL_MIN_FLOPS = 2_000_000
 
@@ -74,18 +80,19 @@ class Plan(NamedTuple):
 _plan_cache: dict = {}
 
 
-def _cached_plan(batch_shape, Lq, Lk, d, dv, n_threads):
+def _cached_plan(batch_shape, Lq, Lk, d, dv, n_threads, causal, itemsize):
     """_plan without weights, memoised: repeated calls of one shape skip the arithmetic."""
-    key = (batch_shape, Lq, Lk, d, dv, n_threads)
+    key = (batch_shape, Lq, Lk, d, dv, n_threads, causal, itemsize)
     plan = _plan_cache.get(key)
     if plan is None:
         if len(_plan_cache) >= 256:
             _plan_cache.clear()
-        plan = _plan_cache[key] = _plan(batch_shape, Lq, Lk, d, dv, False, n_threads)
+        plan = _plan_cache[key] = _plan(batch_shape, Lq, Lk, d, dv, False, n_threads,
+                                        causal, itemsize)
     return plan
 
 
-def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, why=False):
+def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize, why=False):
     """(path, block_q, block_k, threads, tasks[, reason]) for one call."""
     nb = 1
     for n in batch_shape:
@@ -94,11 +101,20 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, why=False):
         path, bk = _PATH_SINGLE, Lk
     else:
         path, bk = _PATH_STREAM, BLOCK_K
-    bq = BLOCK_Q if Lq > BLOCK_Q else max(Lq, 1)
-    ntasks = nb * (-(-Lq // bq))
+    if not causal:
+        bq = BLOCK_Q_MAX
+    else:
+        bq = 64 if Lk <= 256 else 128 if Lk <= 1024 else 256
+    if itemsize == 8 and path == _PATH_SINGLE:
+        bq = min(bq, 128)  # keep a block's double-precision scores in L2
+    bq = max(1, min(bq, Lq))
     nt = n_threads
     if 2.0 * nb * Lq * Lk * (d + dv) < PARALLEL_MIN_FLOPS:
         nt = 1
+    # enough tasks for every thread to get a couple
+    while nt > 1 and bq > BLOCK_Q_MIN and nb * (-(-Lq // bq)) < 2 * nt:
+        bq = (bq + 1) // 2
+    ntasks = nb * (-(-Lq // bq))
     if nt > ntasks:
         nt = max(ntasks, 1)
     if not why:
@@ -215,7 +231,9 @@ def scaled_dot_product_attention(
                             f"got {causal_alignment!r}")
                     off = Lk - Lq
                 res = np.empty(batch + (Lq, dv), dt)
-                path, bq, bk, nt, _ = _cached_plan(batch, Lq, Lk, d, dv, _threads.resolve(n_threads))
+                path, bq, bk, nt, _ = _cached_plan(batch, Lq, Lk, d, dv,
+                                                   _threads.resolve(n_threads), is_causal,
+                                                   dt.itemsize)
                 if not _threads._blas_hook_done:
                     _threads.ensure_blas_hook()
                 rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res, None, batch,
@@ -394,7 +412,7 @@ def _run(p: _Prepared):
             v = np.zeros(p.v.shape[:-1] + (1,), p.cdt)
             res_k = np.empty(p.batch + (p.Lq, 1), p.cdt)
         path, bq, bk, nt, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
-                                    p.want_weights, p.n_threads)
+                                    p.want_weights, p.n_threads, p.causal, p.cdt.itemsize)
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
                            p.causal, p.causal_offset, p.scale, bq, bk, path, nt)
@@ -430,7 +448,8 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
                     {0: "none", 1: "bool", 2: "additive"}[p.mask_kind], p.copies,
                     "nothing to compute: a dimension of the output is 0")
     path, bq, bk, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
-                                          p.want_weights, p.n_threads, why=True)
+                                          p.want_weights, p.n_threads, p.causal,
+                                          p.cdt.itemsize, why=True)
     if nt < p.n_threads:
         why += f"; {nt} thread(s): " + ("small problem" if ntasks >= p.n_threads else f"only {ntasks} task(s)")
     return Plan(

@@ -83,9 +83,12 @@ def test_set_num_threads_used_by_calls(restore_threads, rng):
 
 
 def test_plan_caps_threads_to_tasks(rng):
-    q, k, v = randn(rng, (1, 64, 64)), randn(rng, (1, 4000, 64)), randn(rng, (1, 4000, 64))
+    # 32 queries are one task (the smallest query block): one thread, whatever was asked
+    q, k, v = randn(rng, (1, 32, 64)), randn(rng, (1, 4000, 64)), randn(rng, (1, 4000, 64))
     p = fastattn.explain(q, k, v, n_threads=8)
     assert p.n_tasks == 1 and p.n_threads == 1
+    wide = fastattn.explain(randn(rng, (1, 200, 64)), k, v, n_threads=8)
+    assert wide.n_threads <= wide.n_tasks
     small = fastattn.explain(randn(rng, (4, 4)), randn(rng, (4, 4)), randn(rng, (4, 4)), n_threads=8)
     assert small.n_threads == 1
     assert_close(sdpa(q, k, v, n_threads=8), oracle(q, k, v), np.float64)
