@@ -121,10 +121,13 @@ AVX2 static inline __m256 exp8_f32(__m256 x)
     const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
     const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
     const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f); /* 1.5 * 2^23 */
     /* max/min with the constant first: a NaN x is returned unchanged */
     x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* n = nearest integer to x / ln2, read off the low mantissa bits of t */
+    __m256 t = _mm256_fmadd_ps(x, log2e, magic);
+    __m256 n = _mm256_sub_ps(t, magic);
+    __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
     __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
     r = _mm256_fnmadd_ps(n, ln2_lo, r);
     /* Cephes expf polynomial: exp(r) = 1 + r + r^2 * P(r) */
@@ -136,8 +139,13 @@ AVX2 static inline __m256 exp8_f32(__m256 x)
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     __m256 r2 = _mm256_mul_ps(r, r);
     __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-    /* scale by 2^n as 2^n1 * 2^n2, each a normal number */
-    __m256i ni = _mm256_cvtps_epi32(n);
+    /* 2^n: one multiply while it is a normal number (the usual case) */
+    __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127)),
+                                  _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni));
+    if (_mm256_testz_si256(out, out))
+        return _mm256_mul_ps(e, _mm256_castsi256_ps(
+                                    _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
+    /* subnormal results or overflow: 2^n1 * 2^n2, each normal, one rounding */
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
     __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
@@ -152,9 +160,11 @@ AVX2 static inline __m256d exp4_f64(__m256d x)
     const __m256d log2e = _mm256_set1_pd(1.4426950408889634074);
     const __m256d ln2_hi = _mm256_set1_pd(6.93147180369123816490e-01);
     const __m256d ln2_lo = _mm256_set1_pd(1.90821492927058770002e-10);
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0); /* 1.5 * 2^52 */
     x = _mm256_min_pd(hi, _mm256_max_pd(lo, x));
-    __m256d n = _mm256_round_pd(_mm256_mul_pd(x, log2e),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d t = _mm256_fmadd_pd(x, log2e, magic);
+    __m256d n = _mm256_sub_pd(t, magic);
+    __m256i ni = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic));
     __m256d r = _mm256_fnmadd_pd(n, ln2_hi, x);
     r = _mm256_fnmadd_pd(n, ln2_lo, r);
     /* Taylor series to r^13 (|r| <= 0.347: truncation < 1e-17 relative) */
@@ -177,12 +187,20 @@ AVX2 static inline __m256d exp4_f64(__m256d x)
     __m256d s = _mm256_add_pd(one, r);
     __m256d slo = _mm256_add_pd(_mm256_sub_pd(one, s), r);
     __m256d e = _mm256_add_pd(s, _mm256_fmadd_pd(p, r2, slo));
-    /* 2^n1 * 2^n2 built from 32-bit integers widened to 64 */
-    __m128i ni = _mm256_cvtpd_epi32(n);
-    __m128i n1 = _mm_srai_epi32(ni, 1);
-    __m128i n2 = _mm_sub_epi32(ni, n1);
-    __m256i b1 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), _mm256_set1_epi64x(1023)), 52);
-    __m256i b2 = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), _mm256_set1_epi64x(1023)), 52);
+    /* 2^n: one multiply while it is a normal number (the usual case) */
+    __m256i out = _mm256_or_si256(_mm256_cmpgt_epi64(ni, _mm256_set1_epi64x(1023)),
+                                  _mm256_cmpgt_epi64(_mm256_set1_epi64x(-1022), ni));
+    if (_mm256_testz_si256(out, out))
+        return _mm256_mul_pd(e, _mm256_castsi256_pd(
+                                    _mm256_slli_epi64(_mm256_add_epi64(ni, _mm256_set1_epi64x(1023)), 52)));
+    /* subnormal results or overflow: 2^n1 * 2^n2, each normal, one rounding */
+    /* n1 = floor(n / 2) for small signed 64-bit n (AVX2 has no 64-bit arithmetic shift) */
+    __m256i n1 = _mm256_sub_epi64(
+        _mm256_srli_epi64(_mm256_add_epi64(ni, _mm256_set1_epi64x(1 << 20)), 1),
+        _mm256_set1_epi64x(1 << 19));
+    __m256i n2 = _mm256_sub_epi64(ni, n1);
+    __m256i b1 = _mm256_slli_epi64(_mm256_add_epi64(n1, _mm256_set1_epi64x(1023)), 52);
+    __m256i b2 = _mm256_slli_epi64(_mm256_add_epi64(n2, _mm256_set1_epi64x(1023)), 52);
     return _mm256_mul_pd(_mm256_mul_pd(e, _mm256_castsi256_pd(b1)), _mm256_castsi256_pd(b2));
 }
 
