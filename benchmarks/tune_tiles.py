@@ -25,7 +25,7 @@ def run(shape, dt, causal, plans, nt=2):
     res = {}
     for rep in range(2):
         for (path, bq, bk) in plans:
-            f = lambda: K.sdpa(q, k, v, None, 0, o, None, (B, H), causal, 0, d ** -0.5, bq, bk, path, nt)
+            f = lambda: K.sdpa(q, k, v, None, 0, o, None, (B, H), causal, 0, d ** -0.5, bq, bk, path, False, nt)
             t = med(f)
             res[(path, bq, bk)] = min(res.get((path, bq, bk), 1e9), t)
     fl = 4 * B * H * N * N * d / (2 if causal else 1)

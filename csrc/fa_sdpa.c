@@ -120,11 +120,6 @@ static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, do
 #define ops_small_pv_f32(o, ...) (o)->small_pv_f32(__VA_ARGS__)
 #define ops_small_pv_f64(o, ...) (o)->small_pv_f64(__VA_ARGS__)
 
-/* Multiply-adds below which a task skips BLAS (its call overhead dominates). */
-#ifndef FA_DIRECT_MAX_MACS
-#define FA_DIRECT_MAX_MACS 32768
-#endif
-
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }
 

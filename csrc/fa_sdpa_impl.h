@@ -95,10 +95,10 @@ static inline int64_t FN(key_end)(const fa_sdpa_args *a, int64_t i0, int64_t m)
     return kend;
 }
 
-/* Single-pass tasks small enough that BLAS calls would cost more than the work. */
+/* Single-pass tasks that skip BLAS (too small for a BLAS call to pay). */
 static inline int FN(use_direct)(const fa_sdpa_args *a)
 {
-    return a->block_q * a->Lk * (a->d + a->dv) <= FA_DIRECT_MAX_MACS;
+    return a->path == FA_PATH_SINGLE && a->direct;
 }
 
 /* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
@@ -245,7 +245,7 @@ static void FN(run_task)(void *ctx, int64_t t, int slot)
 
 int FN(fa_sdpa)(const fa_sdpa_args *a)
 {
-    if (!GEMM || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
+    if ((!GEMM && !FN(use_direct)(a)) || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
         return FA_EINVAL;
     int64_t nbatch = 1;
     for (int i = 0; i < a->nbatch; i++)
@@ -266,7 +266,7 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
         nt = (int)ntasks;
     /* BLAS is held at one thread whenever it runs: our threads (or the app's,
      * calling concurrently) each call it on their own tiles */
-    const int blas = !(a->path == FA_PATH_SINGLE && FN(use_direct)(a));
+    const int blas = !FN(use_direct)(a);
     if (blas)
         fa_blas_threads_enter();
     int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop, a->stop_ctx);

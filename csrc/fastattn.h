@@ -80,6 +80,7 @@ typedef struct {
     int64_t block_q;           /* query rows per task */
     int64_t block_k;           /* key rows per tile (streaming path) */
     int path;                  /* FA_PATH_SINGLE or FA_PATH_STREAM (forced SINGLE with weights) */
+    int direct;                /* single pass only: register-blocked products instead of BLAS */
     int n_threads;             /* >= 1; 1 runs on the calling thread alone */
     /* optional: asked between tasks (about every 20 ms) on the calling
      * thread; nonzero stops the call with FA_EINTR */

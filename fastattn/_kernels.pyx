@@ -45,6 +45,7 @@ cdef extern from "fastattn.h" nogil:
         int64_t block_q
         int64_t block_k
         int path
+        int direct
         int n_threads
         int (*stop)(void *)
         void *stop_ctx
@@ -116,7 +117,7 @@ cdef inline int64_t _ld(cnp.ndarray a, int64_t cols) noexcept:
 def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
          cnp.ndarray out, object weights, tuple batch_shape, bint causal,
          int64_t causal_offset, double scale, int64_t block_q, int64_t block_k,
-         int path, int n_threads):
+         int path, bint direct, int n_threads):
     """Run the kernel.  Returns the C status code (0 = OK).
 
     q, k, v, out (and mask, weights when given) share one float dtype, have
@@ -185,6 +186,7 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.block_q = block_q
     a.block_k = block_k
     a.path = path
+    a.direct = direct
     a.n_threads = n_threads
     a.stop = NULL
     a.stop_ctx = NULL

@@ -45,6 +45,11 @@ _ALIGNMENTS = ("top_left", "bottom_right")
 # than 128 and 64); with causality smaller blocks waste less work above the
 # diagonal, so they grow with the key length instead.
 SINGLE_PASS_MAX_KEYS = 512
+# Single-pass tasks of at most DIRECT_MAX_MACS multiply-adds, or with at most
+# DIRECT_MAX_ROWS queries (decoding: M=1 gemm is BLAS's worst case, 9x slower
+# than ours at 1x512x64), use register-blocked products instead of BLAS calls.
+DIRECT_MAX_MACS = 1 << 20
+DIRECT_MAX_ROWS = 4
 BLOCK_K = 256
 BLOCK_Q_MAX = 256
 BLOCK_Q_MIN = 32
@@ -65,6 +70,7 @@ class Plan(NamedTuple):
     """How a call is executed (see :func:`explain`)."""
 
     path: str          # "single_pass", "streaming" or "empty"
+    blas: bool         # False: register-blocked products instead of BLAS calls
     dtype: str         # compute dtype
     batch_shape: tuple
     block_q: int
@@ -93,11 +99,11 @@ def _cached_plan(batch_shape, Lq, Lk, d, dv, n_threads, causal, itemsize):
 
 
 def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize, why=False):
-    """(path, block_q, block_k, threads, tasks[, reason]) for one call."""
+    """(path, block_q, block_k, no_blas, threads, tasks[, reason]) for one call."""
     nb = 1
     for n in batch_shape:
         nb *= n
-    if want_weights or Lk <= SINGLE_PASS_MAX_KEYS:
+    if want_weights or Lk <= SINGLE_PASS_MAX_KEYS or Lq <= DIRECT_MAX_ROWS:
         path, bk = _PATH_SINGLE, Lk
     else:
         path, bk = _PATH_STREAM, BLOCK_K
@@ -117,15 +123,20 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
     ntasks = nb * (-(-Lq // bq))
     if nt > ntasks:
         nt = max(ntasks, 1)
+    no_blas = path == _PATH_SINGLE and (bq <= DIRECT_MAX_ROWS or bq * Lk * (d + dv) <= DIRECT_MAX_MACS)
     if not why:
-        return path, bq, bk, nt, ntasks
+        return path, bq, bk, no_blas, nt, ntasks
     if want_weights:
         reason = "weights requested: scores written into the weights output"
+    elif path == _PATH_SINGLE and Lk > SINGLE_PASS_MAX_KEYS:
+        reason = f"Lq={Lq} <= {DIRECT_MAX_ROWS}: one pass over all keys"
     elif path == _PATH_SINGLE:
         reason = f"Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
     else:
         reason = f"Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over key tiles"
-    return path, bq, bk, nt, ntasks, reason
+    if no_blas:
+        reason += "; blocks small enough to skip BLAS"
+    return path, bq, bk, no_blas, nt, ntasks, reason
 
 
 def _check_out(out, shape, dtype):
@@ -231,14 +242,14 @@ def scaled_dot_product_attention(
                             f"got {causal_alignment!r}")
                     off = Lk - Lq
                 res = np.empty(batch + (Lq, dv), dt)
-                path, bq, bk, nt, _ = _cached_plan(batch, Lq, Lk, d, dv,
+                path, bq, bk, no_blas, nt, _ = _cached_plan(batch, Lq, Lk, d, dv,
                                                    _threads.resolve(n_threads), is_causal,
                                                    dt.itemsize)
                 if not _threads._blas_hook_done:
                     _threads.ensure_blas_hook()
                 rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res, None, batch,
                                   is_causal, off, 1.0 / math.sqrt(d) if scale is None else scale,
-                                  bq, bk, path, nt)
+                                  bq, bk, path, no_blas, nt)
                 if rc:
                     _raise_status(rc)
                 return res
@@ -411,11 +422,12 @@ def _run(p: _Prepared):
         if p.dv == 0:  # weights wanted but nothing to combine: use a dummy value column
             v = np.zeros(p.v.shape[:-1] + (1,), p.cdt)
             res_k = np.empty(p.batch + (p.Lq, 1), p.cdt)
-        path, bq, bk, nt, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
-                                    p.want_weights, p.n_threads, p.causal, p.cdt.itemsize)
+        path, bq, bk, no_blas, nt, _ = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
+                                             p.want_weights, p.n_threads, p.causal,
+                                             p.cdt.itemsize)
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
-                           p.causal, p.causal_offset, p.scale, bq, bk, path, nt)
+                           p.causal, p.causal_offset, p.scale, bq, bk, path, no_blas, nt)
         if rc:
             _raise_status(rc)
 
@@ -443,17 +455,17 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
                  causal_alignment, out, n_threads)
     if math.prod(p.batch) * p.Lq * p.dv == 0 and not (p.want_weights and math.prod(p.batch) * p.Lq * p.Lk):
-        return Plan("empty", p.cdt.name, p.batch, 0, 0, 1, 0,
+        return Plan("empty", False, p.cdt.name, p.batch, 0, 0, 1, 0,
                     p.causal_alignment if p.causal else None,
                     {0: "none", 1: "bool", 2: "additive"}[p.mask_kind], p.copies,
                     "nothing to compute: a dimension of the output is 0")
-    path, bq, bk, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
+    path, bq, bk, no_blas, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
                                           p.want_weights, p.n_threads, p.causal,
                                           p.cdt.itemsize, why=True)
     if nt < p.n_threads:
         why += f"; {nt} thread(s): " + ("small problem" if ntasks >= p.n_threads else f"only {ntasks} task(s)")
     return Plan(
-        "single_pass" if path == _kernels.PATH_SINGLE else "streaming",
+        "single_pass" if path == _kernels.PATH_SINGLE else "streaming", not no_blas,
         p.cdt.name, p.batch, bq, bk, nt, ntasks,
         p.causal_alignment if p.causal else None,
         {0: "none", 1: "bool", 2: "additive"}[p.mask_kind],

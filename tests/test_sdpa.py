@@ -71,7 +71,7 @@ def test_shapes(simd_mode, dtype, shape, weights, rng):
         np.testing.assert_array_equal(a, a0)
     plan = fastattn.explain(q, k, v, return_weights=weights)
     assert plan.copies == ()
-    expected_path = "streaming" if (ks[-2] > 512 and not weights) else "single_pass"
+    expected_path = "streaming" if (ks[-2] > 512 and qs[-2] > 4 and not weights) else "single_pass"
     assert plan.path == expected_path
 
 
@@ -292,7 +292,7 @@ def test_streaming_rescale_order(simd_mode):
     Lk = 1300
     k = np.zeros((Lk, 2))
     k[:, 0] = np.linspace(0.0, 40.0, Lk)  # scores increase along the keys
-    q = np.array([[1.0, 0.0], [0.5, 0.0], [-1.0, 0.0]])
+    q = np.array([[1.0, 0.0], [0.5, 0.0], [-1.0, 0.0], [0.25, 0.0], [2.0, 0.0], [0.0, 0.0]])
     v = np.stack([np.arange(Lk, dtype=float), np.ones(Lk)], axis=1)
     for dt in FLOATS:
         args = [a.astype(dt) for a in (q, k, v)]
