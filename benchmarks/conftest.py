@@ -1,7 +1,18 @@
 """pytest-benchmark configuration for fastattn.
 
-Run with ``pytest benchmarks/ --benchmark-only``; the default
-``pytest`` collects only ``tests/`` (``testpaths`` in pyproject).
+Run the suite and print the one-table report (fastattn / torch / ort /
+numpy medians, fastattn ÷ fastest peer, GFLOP/s and % of the same run's
+sgemm/dgemm)::
+
+    pytest benchmarks/ --benchmark-only --benchmark-json=bench.json
+    python benchmarks/report.py --json bench.json
+
+``python benchmarks/report.py`` without ``--json`` (and ``python -m fastattn
+bench``) prints the same table from its own timing loop.  The default
+``pytest`` collects only ``tests/`` (``testpaths`` in pyproject).  The other
+scripts here are run directly: ``python benchmarks/memory.py`` (peak extra
+RSS of one call), ``python benchmarks/busy.py`` (a competing process on
+one core) and ``python benchmarks/idle.py`` (CPU burned after a call).
 """
 import fastattn
 from fastattn import _bench, _threads
@@ -14,6 +25,23 @@ def _torch_line(n_threads):
     return f"torch {torch.__version__}: {torch.get_num_threads()} intra-op thread(s), inference_mode"
 
 
+def _ort_line(n_threads):
+    ort = _bench.load_ort()
+    if ort is None:
+        return "onnxruntime/onnx: not importable, its benchmarks are skipped"
+    return (f"onnxruntime {ort.__version__}: opset-{_bench.ORT_OPSET} Attention, CPU EP, "
+            f"intra_op={n_threads}, inter_op=1, IOBinding; float32: "
+            f"{_bench.ort_describe('float32')}; float64: {_bench.ort_describe('float64')}")
+
+
+def _blas_line():
+    libs = _bench.openblas_libraries()
+    return ("OpenBLAS (threadpoolctl not used; C API): "
+            + ", ".join(f"{tag} {lib.get_threads()} thread(s) by default"
+                        for tag, lib in libs.items())
+            + "; numpy baseline and sgemm/dgemm groups held at fastattn's thread count")
+
+
 def pytest_report_header(config):
     n = fastattn.get_num_threads()
     return [
@@ -21,6 +49,8 @@ def pytest_report_header(config):
         f"SIMD (AVX2/FMA) {'active' if fastattn.simd_active() else 'inactive'}, "
         f"BLAS {_threads.blas_hook_library() or 'unknown'}",
         _torch_line(n),
+        _ort_line(n),
+        _blas_line(),
     ]
 
 
@@ -30,3 +60,10 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "threads": fastattn.get_num_threads(),
         "simd_active": fastattn.simd_active(),
     }
+    ort = _bench.load_ort()
+    if ort is not None:
+        machine_info["onnxruntime"] = {
+            "version": ort.__version__,
+            "float32": _bench.ort_describe("float32"),
+            "float64": _bench.ort_describe("float64"),
+        }

@@ -2,9 +2,10 @@
 
 ``demo`` (the default) runs self-attention over a sample sentence and prints
 each word's strongest links, then times fastattn against plain NumPy.
-``bench`` prints a quick timing table (fastattn, NumPy, and torch when it is
-importable); the full benchmark suite is ``pytest benchmarks/
---benchmark-only``.
+``bench`` prints a quick timing table (fastattn, torch and onnxruntime when
+they are importable, NumPy; fastattn ÷ fastest peer, GFLOP/s and % of
+SciPy-BLAS GEMM), the same table as ``python benchmarks/report.py``; the
+full benchmark suite is ``pytest benchmarks/ --benchmark-only``.
 """
 from __future__ import annotations
 
@@ -63,21 +64,26 @@ def build_parser() -> argparse.ArgumentParser:
                                       "times fastattn against plain NumPy.")
     _add_demo_args(demo)
 
-    bench = sub.add_parser("bench", help="quick timing table: fastattn vs NumPy (vs torch)",
+    bench = sub.add_parser("bench", help="quick timing table: fastattn vs torch, onnxruntime, NumPy",
                            description="Median time per call of scaled_dot_product_attention "
-                                       "for a few shapes, against plain NumPy and, when it is "
-                                       "importable, torch.  For the full suite run "
+                                       "for a few shapes, against torch and onnxruntime (when "
+                                       "importable) and plain NumPy, with fastattn's GFLOP/s "
+                                       "as a share of SciPy-BLAS GEMM.  For the full suite run "
                                        "'pytest benchmarks/ --benchmark-only'.")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true", help="causal (top-left) attention")
     bench.add_argument("--shape", dest="shapes", type=_shape, action="append", metavar="BxHxNxd",
                        help="shape to time (repeatable); default: a built-in handful")
     bench.add_argument("--threads", type=_positive_int, default=None,
-                       help="threads for fastattn and torch (default: fastattn.get_num_threads())")
+                       help="threads for every library (default: fastattn.get_num_threads())")
     bench.add_argument("--budget", type=float, default=0.2,
                        help="seconds of timing per implementation and shape (default 0.2)")
     bench.add_argument("--no-torch", dest="torch", action="store_false",
                        help="leave torch out even when it is installed")
+    bench.add_argument("--no-ort", dest="ort", action="store_false",
+                       help="leave onnxruntime out even when it is installed")
+    bench.add_argument("--no-gemm", dest="gemm", action="store_false",
+                       help="skip the GEMM measurement (no %%gemm column)")
     return parser
 
 
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
         return _bench.run_bench(
             shapes=tuple(args.shapes) if args.shapes else _bench.BENCH_SHAPES,
             dtype=args.dtype, causal=args.causal, budget=args.budget,
-            use_torch=args.torch, n_threads=args.threads,
+            use_torch=args.torch, n_threads=args.threads, use_ort=args.ort, gemm=args.gemm,
         )
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
