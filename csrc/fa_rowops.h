@@ -16,11 +16,14 @@ typedef struct {
     double (*expsub_sum_f64)(double *x, int64_t n, double m);
     void (*exp_f32)(const float *x, float *y, int64_t n);
     void (*exp_f64)(const double *x, double *y, int64_t n);
-    /* S (m x n, lds) = scale * Q (m x d, ldq) . K (n x d, ldk)^T, without BLAS */
+    /* S (m x n, lds) = scale * Q (m x d, ldq) . K (n x d, ldk)^T, without BLAS;
+     * kt: scratch for d * n elements */
     void (*small_qk_f32)(int64_t m, int64_t n, int64_t d, float scale, const float *Q,
-                         int64_t ldq, const float *K, int64_t ldk, float *S, int64_t lds);
+                         int64_t ldq, const float *K, int64_t ldk, float *S, int64_t lds,
+                         float *kt);
     void (*small_qk_f64)(int64_t m, int64_t n, int64_t d, double scale, const double *Q,
-                         int64_t ldq, const double *K, int64_t ldk, double *S, int64_t lds);
+                         int64_t ldq, const double *K, int64_t ldk, double *S, int64_t lds,
+                         double *kt);
     /* O (m x dv, ldo) = P (m x n, ldp) . V (n x dv, ldv), without BLAS */
     void (*small_pv_f32)(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
                          const float *V, int64_t ldv, float *O, int64_t ldo);

@@ -101,6 +101,12 @@ static inline int FN(use_direct)(const fa_sdpa_args *a)
     return a->path == FA_PATH_SINGLE && a->direct;
 }
 
+/* Where K^T goes for the direct products: after the scores and l. */
+static inline REAL *FN(kt_scratch)(const fa_sdpa_args *a, REAL *scratch)
+{
+    return scratch + (a->weights ? a->block_q : a->block_q * a->Lk + a->block_q);
+}
+
 /* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
 static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int64_t i0,
                      int64_t m, REAL *scratch)
@@ -135,7 +141,8 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         int64_t lds = W ? a->ldw : kend;
         const int direct = FN(use_direct)(a);
         if (direct)
-            FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds);
+            FN(ops_small_qk)(ops, m, kend, a->d, scale, Q, a->ldq, K, a->ldk, S, lds,
+                             FN(kt_scratch)(a, scratch));
         else
             FN(rm_gemm)('N', 'T', m, kend, a->d, scale, Q, a->ldq, K, a->ldk, (REAL)0, S, lds);
         REAL *lsum = W ? scratch : scratch + m * a->Lk;  /* softmax denominators */
@@ -208,10 +215,11 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
 static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
+    int64_t kt = FN(use_direct)(a) ? a->d * a->Lk : 0;  /* K^T for the direct products */
     if (a->weights)
-        return m;                      /* scores go straight into the weights: just l */
+        return m + kt;                 /* scores go straight into the weights: just l */
     if (a->path == FA_PATH_SINGLE) {
-        return m * a->Lk + m;          /* scores and l */
+        return m * a->Lk + m + kt;     /* scores and l */
     }
     return m * a->block_k + 2 * m;
 }

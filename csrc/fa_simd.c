@@ -69,8 +69,9 @@ static void exp_f64_scalar(const double *x, double *y, int64_t n)
 #define SCALAR_SMALL(T, SFX)                                                          \
     static void small_qk_##SFX##_scalar(int64_t m, int64_t n, int64_t d, T scale,        \
                                         const T *Q, int64_t ldq, const T *K, int64_t ldk, \
-                                        T *S, int64_t lds)                               \
+                                        T *S, int64_t lds, T *kt)                        \
     {                                                                                    \
+        (void)kt;                                                                        \
         for (int64_t i = 0; i < m; i++)                                                  \
             for (int64_t j = 0; j < n; j++) {                                            \
                 T acc = 0;                                                               \
@@ -417,6 +418,7 @@ AVX2 static inline void store4_f64(double *p, __m256d v, double scale, int cnt)
 #define LOADU _mm256_loadu_ps
 #define FMADD _mm256_fmadd_ps
 #define MUL _mm256_mul_ps
+#define ADD _mm256_add_ps
 #include "fa_small_avx2.h"
 #undef SM
 #undef ELT
@@ -427,6 +429,7 @@ AVX2 static inline void store4_f64(double *p, __m256d v, double scale, int cnt)
 #undef LOADU
 #undef FMADD
 #undef MUL
+#undef ADD
 
 #define SM(name) SM_(name, f64)
 #define ELT double
@@ -437,6 +440,7 @@ AVX2 static inline void store4_f64(double *p, __m256d v, double scale, int cnt)
 #define LOADU _mm256_loadu_pd
 #define FMADD _mm256_fmadd_pd
 #define MUL _mm256_mul_pd
+#define ADD _mm256_add_pd
 #include "fa_small_avx2.h"
 #undef SM
 #undef ELT
@@ -447,6 +451,7 @@ AVX2 static inline void store4_f64(double *p, __m256d v, double scale, int cnt)
 #undef LOADU
 #undef FMADD
 #undef MUL
+#undef ADD
 
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,

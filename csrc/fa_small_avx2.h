@@ -1,143 +1,169 @@
 /*
- * Register-blocked products for problems too small for a BLAS call to pay:
+ * Register-blocked products that replace BLAS calls where their fixed cost
+ * (call, packing, zeroing C) dominates or whose shapes BLAS handles badly:
  *   S (m x n)  = scale * Q (m x d) . K (n x d)^T     (small_qk)
  *   O (m x dv) = P (m x n) . V (n x dv)              (small_pv)
  * AVX2/FMA, instantiated for float and double by fa_simd.c with VEC, W
- * (lanes) and the intrinsic names defined.  small_qk works on blocks of
- * 2 query rows x 4 keys as dot products; small_pv on 2 rows that share every
- * load of V, with the column-block width NC a compile-time constant in each
- * instance so the accumulators stay in registers.
+ * (lanes) and the intrinsic names defined.  No packing: both read their
+ * operands in place.  Each block keeps 12 accumulators in registers, enough
+ * independent FMAs to hide their latency:
+ *   small_pv: 6 rows x 2 vectors of output columns (broadcast P, load V);
+ *   small_qk: the same kernel against K^T, transposed into scratch first.
+ * Edge blocks repeat the last valid row/key pointer and store only what is
+ * valid.
  */
 
+/* O rows p0..p5 x columns [0, 2W) of the block starting at V; rem = columns
+ * left in the row from here (>= 2W when FULL). */
+#define PV_6X2(NAME, FULL)                                                                \
+    AVX2 static void SM(NAME)(int64_t n, int64_t rem, const ELT *const *p,                \
+                              const ELT *V, int64_t ldv, ELT *O, int64_t ldo, int nrows)  \
+    {                                                                                     \
+        VEC a00 = ZERO(), a01 = ZERO(), a10 = ZERO(), a11 = ZERO();                       \
+        VEC a20 = ZERO(), a21 = ZERO(), a30 = ZERO(), a31 = ZERO();                       \
+        VEC a40 = ZERO(), a41 = ZERO(), a50 = ZERO(), a51 = ZERO();                       \
+        const ELT *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5]; \
+        for (int64_t j = 0; j < n; j++) {                                                 \
+            const ELT *vr = V + j * ldv;                                                  \
+            VEC v0 = FULL ? LOADU(vr) : SM(load_part)(vr, rem);                           \
+            VEC v1 = FULL ? LOADU(vr + W) : SM(load_part)(vr + W, rem - W);               \
+            VEC b = SET1(p0[j]);                                                          \
+            a00 = FMADD(b, v0, a00); a01 = FMADD(b, v1, a01);                             \
+            b = SET1(p1[j]);                                                              \
+            a10 = FMADD(b, v0, a10); a11 = FMADD(b, v1, a11);                             \
+            b = SET1(p2[j]);                                                              \
+            a20 = FMADD(b, v0, a20); a21 = FMADD(b, v1, a21);                             \
+            b = SET1(p3[j]);                                                              \
+            a30 = FMADD(b, v0, a30); a31 = FMADD(b, v1, a31);                             \
+            b = SET1(p4[j]);                                                              \
+            a40 = FMADD(b, v0, a40); a41 = FMADD(b, v1, a41);                             \
+            b = SET1(p5[j]);                                                              \
+            a50 = FMADD(b, v0, a50); a51 = FMADD(b, v1, a51);                             \
+        }                                                                                 \
+        VEC acc[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};       \
+        for (int r = 0; r < nrows; r++) {                                                 \
+            SM(store_part)(O + r * ldo, acc[2 * r], rem);                                 \
+            SM(store_part)(O + r * ldo + W, acc[2 * r + 1], rem - W);                     \
+        }                                                                                 \
+    }
+PV_6X2(pv_6x2_full, 1)
+PV_6X2(pv_6x2_part, 0)
+#undef PV_6X2
 
-#ifndef FA_SMALL_DISPATCH
-/* call F(NC, TWO) with both as compile-time constants */
-#define FA_SMALL_DISPATCH(F, nc, two)                                   \
-    do {                                                                \
-        if (two) {                                                      \
-            switch (nc) {                                               \
-            case 4: F(4, 1); break;                                     \
-            case 3: F(3, 1); break;                                     \
-            case 2: F(2, 1); break;                                     \
-            default: F(1, 1); break;                                    \
-            }                                                           \
-        } else {                                                        \
-            switch (nc) {                                               \
-            case 4: F(4, 0); break;                                     \
-            case 3: F(3, 0); break;                                     \
-            case 2: F(2, 0); break;                                     \
-            default: F(1, 0); break;                                    \
-            }                                                           \
-        }                                                               \
-    } while (0)
-#endif
+/* One output row x 4 vectors of columns [0, 4W) (fewer when rem < 4W), with
+ * even and odd keys in separate accumulators to hide FMA latency. */
+AVX2 static void SM(pv_1x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *V, int64_t ldv,
+                            ELT *O)
+{
+    VEC a0 = ZERO(), a1 = ZERO(), a2 = ZERO(), a3 = ZERO();
+    VEC b0 = ZERO(), b1 = ZERO(), b2 = ZERO(), b3 = ZERO();
+    int64_t j = 0;
+    if (rem >= 4 * W) {
+        for (; j + 2 <= n; j += 2) {
+            const ELT *v = V + j * ldv, *u = v + ldv;
+            VEC x = SET1(p0[j]), y = SET1(p0[j + 1]);
+            a0 = FMADD(x, LOADU(v), a0); a1 = FMADD(x, LOADU(v + W), a1);
+            a2 = FMADD(x, LOADU(v + 2 * W), a2); a3 = FMADD(x, LOADU(v + 3 * W), a3);
+            b0 = FMADD(y, LOADU(u), b0); b1 = FMADD(y, LOADU(u + W), b1);
+            b2 = FMADD(y, LOADU(u + 2 * W), b2); b3 = FMADD(y, LOADU(u + 3 * W), b3);
+        }
+    }
+    for (; j < n; j++) {
+        const ELT *v = V + j * ldv;
+        VEC x = SET1(p0[j]);
+        a0 = FMADD(x, SM(load_part)(v, rem), a0);
+        a1 = FMADD(x, SM(load_part)(v + W, rem - W), a1);
+        a2 = FMADD(x, SM(load_part)(v + 2 * W, rem - 2 * W), a2);
+        a3 = FMADD(x, SM(load_part)(v + 3 * W, rem - 3 * W), a3);
+    }
+    SM(store_part)(O, ADD(a0, b0), rem);
+    SM(store_part)(O + W, ADD(a1, b1), rem - W);
+    SM(store_part)(O + 2 * W, ADD(a2, b2), rem - 2 * W);
+    SM(store_part)(O + 3 * W, ADD(a3, b3), rem - 3 * W);
+}
 
-/* S rows i, i+1 by keys j..j+3 as dot products over d: eight accumulators
- * (enough independent FMAs to hide their latency), one horizontal reduction
- * per block.  Missing keys repeat the last one; only valid results are stored. */
+AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, int64_t ldp,
+                              const ELT *V, int64_t ldv, ELT *O, int64_t ldo)
+{
+    int64_t i = 0;
+    /* blocks of 6 rows; a last block of 3-5 rows repeats its first row */
+    for (; i + 3 <= m; i += 6) {
+        int nr = m - i < 6 ? (int)(m - i) : 6;
+        const ELT *p[6];
+        for (int r = 0; r < 6; r++)
+            p[r] = P + (i + (r < nr ? r : 0)) * ldp;
+        for (int64_t c0 = 0; c0 < dv; c0 += 2 * W) {
+            int64_t rem = dv - c0;
+            if (rem >= 2 * W)
+                SM(pv_6x2_full)(n, rem, p, V + c0, ldv, O + i * ldo + c0, ldo, nr);
+            else
+                SM(pv_6x2_part)(n, rem, p, V + c0, ldv, O + i * ldo + c0, ldo, nr);
+        }
+    }
+    for (; i < m; i++)  /* the last one or two rows one at a time */
+        for (int64_t c0 = 0; c0 < dv; c0 += 4 * W)
+            SM(pv_1x4)(n, dv - c0, P + i * ldp, V + c0, ldv, O + i * ldo + c0);
+}
+
+/* Dot-product form for few query rows (<= 16), where transposing K costs
+ * more than it saves: 2 rows x 4 keys, one horizontal reduction per block. */
 AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *k0,
                             const ELT *k1, const ELT *k2, const ELT *k3, ELT scale,
                             ELT *s0, ELT *s1, int nkeys, int second)
 {
     VEC a00 = ZERO(), a01 = ZERO(), a02 = ZERO(), a03 = ZERO();
     VEC a10 = ZERO(), a11 = ZERO(), a12 = ZERO(), a13 = ZERO();
+#define QK2_STEP(LOAD)                                                    \
+    do {                                                                  \
+        VEC x0 = LOAD(q0 + c), x1 = LOAD(q1 + c);                         \
+        VEC y = LOAD(k0 + c);                                             \
+        a00 = FMADD(x0, y, a00); a10 = FMADD(x1, y, a10);                 \
+        y = LOAD(k1 + c);                                                 \
+        a01 = FMADD(x0, y, a01); a11 = FMADD(x1, y, a11);                 \
+        y = LOAD(k2 + c);                                                 \
+        a02 = FMADD(x0, y, a02); a12 = FMADD(x1, y, a12);                 \
+        y = LOAD(k3 + c);                                                 \
+        a03 = FMADD(x0, y, a03); a13 = FMADD(x1, y, a13);                 \
+    } while (0)
     int64_t c = 0;
-    for (; c + W <= d; c += W) {
-        VEC x0 = LOADU(q0 + c), x1 = LOADU(q1 + c);
-        VEC y0 = LOADU(k0 + c), y1 = LOADU(k1 + c), y2 = LOADU(k2 + c), y3 = LOADU(k3 + c);
-        a00 = FMADD(x0, y0, a00); a01 = FMADD(x0, y1, a01);
-        a02 = FMADD(x0, y2, a02); a03 = FMADD(x0, y3, a03);
-        a10 = FMADD(x1, y0, a10); a11 = FMADD(x1, y1, a11);
-        a12 = FMADD(x1, y2, a12); a13 = FMADD(x1, y3, a13);
-    }
+    for (; c + W <= d; c += W)
+        QK2_STEP(LOADU);
     if (c < d) {
-        int64_t r = d - c;
-        VEC x0 = SM(load_part)(q0 + c, r), x1 = SM(load_part)(q1 + c, r);
-        VEC y0 = SM(load_part)(k0 + c, r), y1 = SM(load_part)(k1 + c, r);
-        VEC y2 = SM(load_part)(k2 + c, r), y3 = SM(load_part)(k3 + c, r);
-        a00 = FMADD(x0, y0, a00); a01 = FMADD(x0, y1, a01);
-        a02 = FMADD(x0, y2, a02); a03 = FMADD(x0, y3, a03);
-        a10 = FMADD(x1, y0, a10); a11 = FMADD(x1, y1, a11);
-        a12 = FMADD(x1, y2, a12); a13 = FMADD(x1, y3, a13);
+        const int64_t r = d - c;
+#define LOADP(p) SM(load_part)(p, r)
+        QK2_STEP(LOADP);
+#undef LOADP
     }
+#undef QK2_STEP
     SM(store4)(s0, SM(hsum4)(a00, a01, a02, a03), scale, nkeys);
     if (second)
         SM(store4)(s1, SM(hsum4)(a10, a11, a12, a13), scale, nkeys);
 }
 
+/* S = scale * Q . K^T as a P.V-shaped product against K^T, transposed (and
+ * scaled) into kt first: no horizontal reductions in the inner loop. */
 AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
                               const ELT *Q, int64_t ldq, const ELT *K, int64_t ldk,
-                              ELT *S, int64_t lds)
+                              ELT *S, int64_t lds, ELT *kt)
 {
-    for (int64_t i = 0; i < m; i += 2) {
-        int second = i + 1 < m;
-        const ELT *q0 = Q + i * ldq, *q1 = second ? q0 + ldq : q0;
-        ELT *s0 = S + i * lds, *s1 = s0 + lds;
-        for (int64_t j = 0; j < n; j += 4) {
-            int nk = n - j < 4 ? (int)(n - j) : 4;
-            const ELT *k0 = K + j * ldk;
-            const ELT *k1 = nk > 1 ? k0 + ldk : k0;
-            const ELT *k2 = nk > 2 ? k0 + 2 * ldk : k0;
-            const ELT *k3 = nk > 3 ? k0 + 3 * ldk : k0;
-            SM(qk_2x4)(d, q0, q1, k0, k1, k2, k3, scale, s0 + j, s1 + j, nk, second);
-        }
-    }
-}
-
-/* rows i, i+1 (TWO = 1) or i alone, columns [c0, c0 + NC*W) of O; rem = dv - c0;
- * FULL: every column block is whole (no masked loads) */
-#define PV_BLOCK(NC, TWO, FULL)                                                           \
-    AVX2 static void SM(pv_block_##NC##_##TWO##_##FULL)(int64_t n, int64_t rem,            \
-                                                       const ELT *p0, const ELT *p1,     \
-                                                       const ELT *V, int64_t ldv,        \
-                                                       ELT *o0, ELT *o1)                 \
-    {                                                                                    \
-        VEC a0[4], a1[4];                                                                \
-        for (int u = 0; u < NC; u++)                                                     \
-            a0[u] = a1[u] = ZERO();                                                      \
-        for (int64_t j = 0; j < n; j++) {                                                \
-            const ELT *vr = V + j * ldv;                                                 \
-            VEC b0 = SET1(p0[j]);                                                        \
-            VEC b1 = TWO ? SET1(p1[j]) : b0;                                             \
-            for (int u = 0; u < NC; u++) {                                               \
-                VEC vv = FULL ? LOADU(vr + u * W) : SM(load_part)(vr + u * W, rem - u * W); \
-                a0[u] = FMADD(b0, vv, a0[u]);                                            \
-                if (TWO)                                                                 \
-                    a1[u] = FMADD(b1, vv, a1[u]);                                        \
-            }                                                                            \
-        }                                                                                \
-        for (int u = 0; u < NC; u++) {                                                   \
-            SM(store_part)(o0 + u * W, a0[u], rem - u * W);                              \
-            if (TWO)                                                                     \
-                SM(store_part)(o1 + u * W, a1[u], rem - u * W);                          \
-        }                                                                                \
-    }
-PV_BLOCK(1, 0, 0) PV_BLOCK(2, 0, 0) PV_BLOCK(3, 0, 0) PV_BLOCK(4, 0, 0)
-PV_BLOCK(1, 1, 0) PV_BLOCK(2, 1, 0) PV_BLOCK(3, 1, 0) PV_BLOCK(4, 1, 0)
-PV_BLOCK(1, 0, 1) PV_BLOCK(2, 0, 1) PV_BLOCK(3, 0, 1) PV_BLOCK(4, 0, 1)
-PV_BLOCK(1, 1, 1) PV_BLOCK(2, 1, 1) PV_BLOCK(3, 1, 1) PV_BLOCK(4, 1, 1)
-#undef PV_BLOCK
-
-AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, int64_t ldp,
-                              const ELT *V, int64_t ldv, ELT *O, int64_t ldo)
-{
-    for (int64_t c0 = 0; c0 < dv; c0 += 4 * W) {
-        const int64_t rem = dv - c0;
-        const int nc = (int)(rem >= 4 * W ? 4 : (rem + W - 1) / W);
-        const int full = rem >= (int64_t)nc * W;
+    if (m <= 16) {
         for (int64_t i = 0; i < m; i += 2) {
-            int two = i + 1 < m;
-            const ELT *p0 = P + i * ldp, *p1 = two ? p0 + ldp : p0;
-            ELT *o0 = O + i * ldo + c0, *o1 = two ? o0 + ldo : o0;
-#define PVF(NC, TWO) SM(pv_block_##NC##_##TWO##_1)(n, rem, p0, p1, V + c0, ldv, o0, o1)
-#define PVP(NC, TWO) SM(pv_block_##NC##_##TWO##_0)(n, rem, p0, p1, V + c0, ldv, o0, o1)
-            if (full)
-                FA_SMALL_DISPATCH(PVF, nc, two);
-            else
-                FA_SMALL_DISPATCH(PVP, nc, two);
-#undef PVF
-#undef PVP
+            int second = i + 1 < m;
+            const ELT *q0 = Q + i * ldq, *q1 = second ? q0 + ldq : q0;
+            for (int64_t j = 0; j < n; j += 4) {
+                int nk = n - j < 4 ? (int)(n - j) : 4;
+                const ELT *k0 = K + j * ldk;
+                SM(qk_2x4)(d, q0, q1, k0, nk > 1 ? k0 + ldk : k0, nk > 2 ? k0 + 2 * ldk : k0,
+                           nk > 3 ? k0 + 3 * ldk : k0, scale, S + i * lds + j,
+                           S + (i + 1) * lds + j, nk, second);
+            }
         }
+        return;
     }
+    for (int64_t j = 0; j < n; j++) {
+        const ELT *kr = K + j * ldk;
+        for (int64_t c = 0; c < d; c++)
+            kt[c * n + j] = scale * kr[c];
+    }
+    SM(small_pv)(m, n, d, Q, ldq, kt, n, S, lds);
 }
-
