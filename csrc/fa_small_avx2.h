@@ -82,10 +82,56 @@ AVX2 static void SM(pv_1x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *V,
     SM(store_part)(O + 3 * W, ADD(a3, b3), rem - 3 * W);
 }
 
+/* Two output rows x 4 vectors of columns [0, 4W) (fewer when rem < 4W): for
+ * few rows, where 6-row blocks would mostly repeat rows. */
+AVX2 static void SM(pv_2x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *p1,
+                            const ELT *V, int64_t ldv, ELT *O, int64_t ldo, int second)
+{
+    VEC a0 = ZERO(), a1 = ZERO(), a2 = ZERO(), a3 = ZERO();
+    VEC b0 = ZERO(), b1 = ZERO(), b2 = ZERO(), b3 = ZERO();
+    if (rem >= 4 * W) {
+        for (int64_t j = 0; j < n; j++) {
+            const ELT *v = V + j * ldv;
+            VEC x = SET1(p0[j]), y = SET1(p1[j]);
+            VEC v0 = LOADU(v), v1 = LOADU(v + W), v2 = LOADU(v + 2 * W), v3 = LOADU(v + 3 * W);
+            a0 = FMADD(x, v0, a0); a1 = FMADD(x, v1, a1); a2 = FMADD(x, v2, a2); a3 = FMADD(x, v3, a3);
+            b0 = FMADD(y, v0, b0); b1 = FMADD(y, v1, b1); b2 = FMADD(y, v2, b2); b3 = FMADD(y, v3, b3);
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            const ELT *v = V + j * ldv;
+            VEC x = SET1(p0[j]), y = SET1(p1[j]);
+            VEC v0 = SM(load_part)(v, rem), v1 = SM(load_part)(v + W, rem - W);
+            VEC v2 = SM(load_part)(v + 2 * W, rem - 2 * W), v3 = SM(load_part)(v + 3 * W, rem - 3 * W);
+            a0 = FMADD(x, v0, a0); a1 = FMADD(x, v1, a1); a2 = FMADD(x, v2, a2); a3 = FMADD(x, v3, a3);
+            b0 = FMADD(y, v0, b0); b1 = FMADD(y, v1, b1); b2 = FMADD(y, v2, b2); b3 = FMADD(y, v3, b3);
+        }
+    }
+    SM(store_part)(O, a0, rem);
+    SM(store_part)(O + W, a1, rem - W);
+    SM(store_part)(O + 2 * W, a2, rem - 2 * W);
+    SM(store_part)(O + 3 * W, a3, rem - 3 * W);
+    if (second) {
+        SM(store_part)(O + ldo, b0, rem);
+        SM(store_part)(O + ldo + W, b1, rem - W);
+        SM(store_part)(O + ldo + 2 * W, b2, rem - 2 * W);
+        SM(store_part)(O + ldo + 3 * W, b3, rem - 3 * W);
+    }
+}
+
 AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, int64_t ldp,
                               const ELT *V, int64_t ldv, ELT *O, int64_t ldo)
 {
     int64_t i = 0;
+    if (m <= 16) {  /* few rows: pairs of rows, 4 vectors wide */
+        for (; i < m; i += 2) {
+            int second = i + 1 < m;
+            const ELT *p0 = P + i * ldp, *p1 = second ? p0 + ldp : p0;
+            for (int64_t c0 = 0; c0 < dv; c0 += 4 * W)
+                SM(pv_2x4)(n, dv - c0, p0, p1, V + c0, ldv, O + i * ldo + c0, ldo, second);
+        }
+        return;
+    }
     /* blocks of 6 rows; a last block of 3-5 rows repeats its first row */
     for (; i + 3 <= m; i += 6) {
         int nr = m - i < 6 ? (int)(m - i) : 6;
