@@ -29,10 +29,6 @@ except ImportError:  # run as a script from the checkout without an install
 SHAPES = ((1, 8, 128, 64), (8, 8, 128, 64), (1, 8, 512, 64), (1, 8, 2048, 64))
 
 
-def _shape(text):
-    return tuple(int(p) for p in text.lower().replace("×", "x").split("x"))
-
-
 def _p90(xs):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
@@ -42,7 +38,7 @@ def main(argv=None):
     import fastattn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", dest="shapes", type=_shape, action="append")
+    ap.add_argument("--shape", dest="shapes", type=_bench.parse_shape, action="append")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measurement")
     ap.add_argument("--threads", type=int, default=None)

@@ -24,13 +24,9 @@ except ImportError:  # run as a script from the checkout without an install
     from fastattn import _bench
 
 
-def _shape(text):
-    return tuple(int(p) for p in text.lower().replace("×", "x").split("x"))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", type=_shape, default=(1, 8, 512, 64))
+    ap.add_argument("--shape", type=_bench.parse_shape, default=(1, 8, 512, 64))
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--window", type=float, default=0.2, help="seconds watched after a call")
     ap.add_argument("--repeats", type=int, default=5)

@@ -52,8 +52,11 @@ static int64_t now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void run_tasks(fa_job *j, int slot)
+/* Take tasks until none is left or the job is cancelled.  With stop (the
+ * calling thread only) ask it every FA_STOP_EVERY_NS whether to cancel. */
+static void run_tasks(fa_job *j, int slot, fa_stop_fn stop, void *stop_ctx)
 {
+    int64_t next_check = stop ? now_ns() + FA_STOP_EVERY_NS : 0;
     for (;;) {
         if (__atomic_load_n(&j->cancel, __ATOMIC_RELAXED))
             return;
@@ -61,6 +64,13 @@ static void run_tasks(fa_job *j, int slot)
         if (t >= j->ntasks)
             return;
         j->fn(j->ctx, t, slot);
+        if (stop && now_ns() >= next_check) {
+            if (stop(stop_ctx)) {
+                __atomic_store_n(&j->cancel, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            next_check = now_ns() + FA_STOP_EVERY_NS;
+        }
     }
 }
 
@@ -90,7 +100,7 @@ static void *worker_main(void *unused)
         int slot = ++j->slots;
         pthread_mutex_unlock(&P.lock);
 
-        run_tasks(j, slot);
+        run_tasks(j, slot, NULL, NULL);
 
         pthread_mutex_lock(&P.lock);
         if (__atomic_sub_fetch(&j->helpers, 1, __ATOMIC_RELEASE) == 0)
@@ -143,31 +153,6 @@ int fa_pool_workers(void)
     return n;
 }
 
-/* The caller's own loop, with the stop check. */
-static void caller_tasks(fa_job *j, fa_stop_fn stop, void *stop_ctx)
-{
-    if (!stop) {
-        run_tasks(j, 0);
-        return;
-    }
-    int64_t next_check = now_ns() + FA_STOP_EVERY_NS;
-    for (;;) {
-        if (__atomic_load_n(&j->cancel, __ATOMIC_RELAXED))
-            return;
-        int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (t >= j->ntasks)
-            return;
-        j->fn(j->ctx, t, 0);
-        if (now_ns() >= next_check) {
-            if (stop(stop_ctx)) {
-                __atomic_store_n(&j->cancel, 1, __ATOMIC_RELAXED);
-                return;
-            }
-            next_check = now_ns() + FA_STOP_EVERY_NS;
-        }
-    }
-}
-
 int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
                 fa_stop_fn stop, void *stop_ctx)
 {
@@ -190,7 +175,7 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
         pthread_mutex_unlock(&P.lock);
     }
 
-    caller_tasks(&j, stop, stop_ctx);
+    run_tasks(&j, 0, stop, stop_ctx);
 
     if (posted) {
         /* close the job to late-comers, then wait only for tasks already started */

@@ -14,6 +14,12 @@ import os
 import sys
 
 
+def _bench_shape(text):
+    from ._bench import parse_shape
+
+    return parse_shape(text)
+
+
 def _positive_int(text):
     try:
         n = int(text)
@@ -24,16 +30,6 @@ def _positive_int(text):
     return n
 
 
-def _shape(text):
-    try:
-        dims = tuple(int(p) for p in text.lower().replace("×", "x").split("x"))
-    except ValueError:
-        dims = ()
-    if len(dims) < 2 or any(d < 1 for d in dims):
-        raise argparse.ArgumentTypeError(
-            f"expected a shape like 8x8x128x64 (..., N, d), got {text!r}"
-        )
-    return dims
 
 
 def _add_demo_args(p):
@@ -72,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "'pytest benchmarks/ --benchmark-only'.")
     bench.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     bench.add_argument("--causal", action="store_true", help="causal (top-left) attention")
-    bench.add_argument("--shape", dest="shapes", type=_shape, action="append", metavar="BxHxNxd",
+    bench.add_argument("--shape", dest="shapes", type=_bench_shape, action="append", metavar="BxHxNxd",
                        help="shape to time (repeatable); default: a built-in handful")
     bench.add_argument("--threads", type=_positive_int, default=None,
                        help="threads for every library (default: fastattn.get_num_threads())")

@@ -88,6 +88,21 @@ __all__ = [
 # ---------------------------------------------------------------------------
 # The NumPy baseline and inputs
 
+def parse_shape(text):
+    """``"8x8x128x64"`` -> ``(8, 8, 128, 64)`` (argparse type: bad text is a usage error)."""
+    import argparse
+
+    try:
+        dims = tuple(int(p) for p in text.lower().replace("\u00d7", "x").split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) < 2 or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(
+            f"expected a shape like 8x8x128x64 (..., N, d), got {text!r}"
+        )
+    return dims
+
+
 def numpy_sdpa(query, key, value, attn_mask=None, scale=None, return_weights=False):
     """``softmax(scale * query @ key^T) @ value`` in plain NumPy.
 
