@@ -872,10 +872,14 @@ def _fastattn_parent():
 
 
 def _run_child(code, timeout=600):
+    # run in the folder that holds this fastattn: with ``-c`` the working
+    # directory comes first on sys.path, and a source checkout's unbuilt
+    # fastattn/ folder must not shadow the installed package
+    parent = _fastattn_parent()
     env = dict(os.environ)
-    env["PYTHONPATH"] = _fastattn_parent() + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = parent + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, cwd=parent)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}")
