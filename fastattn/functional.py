@@ -66,6 +66,7 @@ _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _ndarray = np.ndarray
 _sdpa_kernel = _kernels.sdpa
+_empty = np.empty
 
 
 class Plan(NamedTuple):
@@ -85,18 +86,19 @@ class Plan(NamedTuple):
     reason: str
 
 
-_plan_cache: dict = {}
+_fast_plans: dict = {}
 
 
-def _cached_plan(batch_shape, Lq, Lk, d, dv, n_threads, causal, itemsize):
-    """_plan without weights, memoised: repeated calls of one shape skip the arithmetic."""
-    key = (batch_shape, Lq, Lk, d, dv, n_threads, causal, itemsize)
-    plan = _plan_cache.get(key)
-    if plan is None:
-        if len(_plan_cache) >= 256:
-            _plan_cache.clear()
-        plan = _plan_cache[key] = _plan(batch_shape, Lq, Lk, d, dv, False, n_threads,
-                                        causal, itemsize)
+def _fast_plan(batch, Lq, Lk, d, dv, n_threads, causal, dtype):
+    """Everything the fast path needs for one call signature, memoised: repeated
+    calls of one shape skip the planning arithmetic (and install the BLAS hook)."""
+    _threads.ensure_blas_hook()
+    path, bq, bk, no_blas, nt, _ = _plan(batch, Lq, Lk, d, dv, False, n_threads, causal,
+                                         dtype.itemsize)
+    plan = (batch + (Lq, dv), bq, bk, path, no_blas, nt, 1.0 / math.sqrt(d))
+    if len(_fast_plans) >= 256:
+        _fast_plans.clear()
+    _fast_plans[(batch, Lq, Lk, d, dv, n_threads, causal, dtype)] = plan
     return plan
 
 
@@ -243,14 +245,14 @@ def scaled_dot_product_attention(
                             "causal_alignment: expected 'top_left' or 'bottom_right', "
                             f"got {causal_alignment!r}")
                     off = Lk - Lq
-                res = np.empty(batch + (Lq, dv), dt)
-                path, bq, bk, no_blas, nt, _ = _cached_plan(batch, Lq, Lk, d, dv,
-                                                   _threads.resolve(n_threads), is_causal,
-                                                   dt.itemsize)
-                if not _threads._blas_hook_done:
-                    _threads.ensure_blas_hook()
-                rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res, None, batch,
-                                  is_causal, off, 1.0 / math.sqrt(d) if scale is None else scale,
+                nt = _threads.resolve(n_threads)
+                fp = _fast_plans.get((batch, Lq, Lk, d, dv, nt, is_causal, dt))
+                if fp is None:
+                    fp = _fast_plan(batch, Lq, Lk, d, dv, nt, is_causal, dt)
+                out_shape, bq, bk, path, no_blas, nt, default_scale = fp
+                rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res := _empty(out_shape, dt),
+                                  None, batch, is_causal, off,
+                                  default_scale if scale is None else scale,
                                   bq, bk, path, no_blas, nt)
                 if rc:
                     _raise_status(rc)
