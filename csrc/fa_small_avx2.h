@@ -186,6 +186,26 @@ AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *
         SM(store4)(s1, SM(hsum4)(a10, a11, a12, a13), scale, nkeys);
 }
 
+/* kt (d x n, row stride n) = scale * K^T for K (n x d, ldk): W x W blocks
+ * through registers, scalar edges. */
+AVX2 static void SM(transpose_scaled)(int64_t n, int64_t d, ELT scale, const ELT *K,
+                                      int64_t ldk, ELT *kt)
+{
+    const VEC vs = SET1(scale);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+        int64_t c = 0;
+        for (; c + W <= d; c += W)
+            SM(transpose_block)(K + j * ldk + c, ldk, kt + c * n + j, n, vs);
+        for (; c < d; c++)
+            for (int64_t r = 0; r < W; r++)
+                kt[c * n + j + r] = scale * K[(j + r) * ldk + c];
+    }
+    for (; j < n; j++)
+        for (int64_t c = 0; c < d; c++)
+            kt[c * n + j] = scale * K[j * ldk + c];
+}
+
 /* S = scale * Q . K^T as a P.V-shaped product against K^T, transposed (and
  * scaled) into kt first: no horizontal reductions in the inner loop. */
 AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
@@ -206,10 +226,6 @@ AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
         }
         return;
     }
-    for (int64_t j = 0; j < n; j++) {
-        const ELT *kr = K + j * ldk;
-        for (int64_t c = 0; c < d; c++)
-            kt[c * n + j] = scale * kr[c];
-    }
+    SM(transpose_scaled)(n, d, scale, K, ldk, kt);
     SM(small_pv)(m, n, d, Q, ldq, kt, n, S, lds);
 }
