@@ -7,6 +7,10 @@
 
 #include <stdint.h>
 
+/* small_qk works on up to this many query rows as dot products (no K^T
+ * scratch); above it, against K^T transposed into the caller's scratch. */
+#define FA_SMALL_QK_DOT_ROWS 16
+
 typedef struct {
     /* max over x[0..n) ignoring NaN; -inf for an empty or all-masked row */
     float (*rowmax_f32)(const float *x, int64_t n);

@@ -1,6 +1,7 @@
 /*
- * Batched scaled-dot-product attention: BLAS for Q.K^T and P.V tiles, our own
- * softmax row operations, one OpenMP team over (batch item, query block) tasks.
+ * Batched scaled-dot-product attention: BLAS (or our register-blocked
+ * products) for Q.K^T and P.V tiles, our own softmax row operations, and the
+ * worker pool (fa_pool.c) over (batch item, query block) tasks.
  */
 #define _POSIX_C_SOURCE 200112L
 #include <math.h>
@@ -15,17 +16,24 @@
 
 static fa_sgemm_fn g_sgemm = NULL;
 static fa_dgemm_fn g_dgemm = NULL;
-static fa_blas_set_threads_fn g_blas_set_threads = NULL;
+static fa_blas_set_threads_fn g_blas_set_threads = NULL; /* atomic */
 
 /* BLAS is held at one thread while a kernel of ours calls it.  Calls may overlap
  * (an app's threads call in concurrently), so the first one in saves the
- * library's setting and the last one out restores it. */
+ * library's setting and the last one out restores it.  Each call uses the hook
+ * it saw on the way in for the way out too, so a hook installed meanwhile
+ * cannot unbalance the count. */
 static pthread_mutex_t g_blas_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_blas_users = 0;
 static int g_blas_saved = -1;
 
 static void blas_atfork_child(void)
 {
+    /* a call that was running in the parent does not exist here: give BLAS
+     * back the setting it had before it */
+    fa_blas_set_threads_fn hook = __atomic_load_n(&g_blas_set_threads, __ATOMIC_ACQUIRE);
+    if (g_blas_users > 0 && g_blas_saved > 0 && hook)
+        hook(g_blas_saved);
     pthread_mutex_init(&g_blas_lock, NULL);
     g_blas_users = 0;
 }
@@ -39,27 +47,29 @@ void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn se
     }
     g_sgemm = sgemm;
     g_dgemm = dgemm;
-    g_blas_set_threads = set_threads;
+    __atomic_store_n(&g_blas_set_threads, set_threads, __ATOMIC_RELEASE);
 }
 
-
-static void fa_blas_threads_enter(void)
+/* Returns the hook used (NULL: none), to be handed to fa_blas_threads_exit. */
+static fa_blas_set_threads_fn fa_blas_threads_enter(void)
 {
-    if (!g_blas_set_threads)
-        return;
+    fa_blas_set_threads_fn hook = __atomic_load_n(&g_blas_set_threads, __ATOMIC_ACQUIRE);
+    if (!hook)
+        return NULL;
     pthread_mutex_lock(&g_blas_lock);
     if (g_blas_users++ == 0)
-        g_blas_saved = g_blas_set_threads(1);
+        g_blas_saved = hook(1);
     pthread_mutex_unlock(&g_blas_lock);
+    return hook;
 }
 
-static void fa_blas_threads_exit(void)
+static void fa_blas_threads_exit(fa_blas_set_threads_fn hook)
 {
-    if (!g_blas_set_threads)
+    if (!hook)
         return;
     pthread_mutex_lock(&g_blas_lock);
     if (--g_blas_users == 0 && g_blas_saved > 0)
-        g_blas_set_threads(g_blas_saved);
+        hook(g_blas_saved);
     pthread_mutex_unlock(&g_blas_lock);
 }
 

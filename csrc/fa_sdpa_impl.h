@@ -215,7 +215,8 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
 static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
-    int64_t kt = FN(use_direct)(a) ? a->d * a->Lk : 0;  /* K^T for the direct products */
+    /* K^T for the direct products (not needed by their few-rows form) */
+    int64_t kt = FN(use_direct)(a) && m > FA_SMALL_QK_DOT_ROWS ? a->d * a->Lk : 0;
     if (a->weights)
         return m + kt;                 /* scores go straight into the weights: just l */
     if (a->path == FA_PATH_SINGLE) {
@@ -253,7 +254,8 @@ static void FN(run_task)(void *ctx, int64_t t, int slot)
 
 int FN(fa_sdpa)(const fa_sdpa_args *a)
 {
-    if ((!GEMM && !FN(use_direct)(a)) || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
+    if ((a->path != FA_PATH_SINGLE && a->path != FA_PATH_STREAM)
+        || (!GEMM && !FN(use_direct)(a)) || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
         return FA_EINVAL;
     int64_t nbatch = 1;
     for (int i = 0; i < a->nbatch; i++)
@@ -274,12 +276,9 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
         nt = (int)ntasks;
     /* BLAS is held at one thread whenever it runs: our threads (or the app's,
      * calling concurrently) each call it on their own tiles */
-    const int blas = !FN(use_direct)(a);
-    if (blas)
-        fa_blas_threads_enter();
+    fa_blas_set_threads_fn hook = FN(use_direct)(a) ? NULL : fa_blas_threads_enter();
     int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop, a->stop_ctx);
-    if (blas)
-        fa_blas_threads_exit();
+    fa_blas_threads_exit(hook);
     if (stopped)
         return FA_EINTR;
     return j.status;

@@ -151,7 +151,7 @@ AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, in
             SM(pv_1x4)(n, dv - c0, P + i * ldp, V + c0, ldv, O + i * ldo + c0);
 }
 
-/* Dot-product form for few query rows (<= 16), where transposing K costs
+/* Dot-product form for few query rows (<= FA_SMALL_QK_DOT_ROWS), where transposing K costs
  * more than it saves: 2 rows x 4 keys, one horizontal reduction per block. */
 AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *k0,
                             const ELT *k1, const ELT *k2, const ELT *k3, ELT scale,
@@ -212,7 +212,7 @@ AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
                               const ELT *Q, int64_t ldq, const ELT *K, int64_t ldk,
                               ELT *S, int64_t lds, ELT *kt)
 {
-    if (m <= 16) {
+    if (m <= FA_SMALL_QK_DOT_ROWS) {
         for (int64_t i = 0; i < m; i += 2) {
             int second = i + 1 < m;
             const ELT *q0 = Q + i * ldq, *q1 = second ? q0 + ldq : q0;

@@ -27,6 +27,7 @@ import ctypes
 import glob
 import operator
 import os
+import threading
 
 from . import _kernels
 
@@ -135,23 +136,36 @@ def _blas_candidates():
     return found
 
 
+_blas_hook_lock = threading.Lock()
+
+
 def ensure_blas_hook() -> None:
-    """Hand the kernels a way to hold SciPy's OpenBLAS at one thread (once)."""
+    """Hand the kernels a way to hold SciPy's OpenBLAS at one thread (once).
+
+    The flag is set only after the hook is installed, under a lock, so a
+    concurrent first call cannot run with half of it.
+    """
     global _blas_hook_done, _blas_hook_library
     if _blas_hook_done:
         return
-    _blas_hook_done = True
-    for path in _blas_candidates():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for sym in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
-            fn = getattr(lib, sym, None)
+    with _blas_hook_lock:
+        if _blas_hook_done:
+            return
+        for path in _blas_candidates():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            fn = None
+            for sym in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
+                fn = getattr(lib, sym, None)
+                if fn is not None:
+                    break
             if fn is not None:
                 _kernels.set_blas_threads_hook(ctypes.cast(fn, ctypes.c_void_p).value)
                 _blas_hook_library = path
-                return
+                break
+        _blas_hook_done = True
 
 
 def blas_hook_library() -> str | None:

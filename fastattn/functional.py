@@ -240,12 +240,13 @@ def scaled_dot_product_attention(
                     and 0 < Lk <= BLAS_INT_MAX and Lq <= BLAS_INT_MAX
                     and (scale is None or type(scale) is float)):
                 off = 0
-                if is_causal and causal_alignment != "top_left":
+                if causal_alignment != "top_left":
                     if causal_alignment != "bottom_right":
                         raise ValueError(
                             "causal_alignment: expected 'top_left' or 'bottom_right', "
                             f"got {causal_alignment!r}")
-                    off = Lk - Lq
+                    if is_causal:
+                        off = Lk - Lq
                 nt = _threads.resolve(n_threads)
                 fp = _fast_plans.get((batch, Lq, Lk, d, dv, nt, is_causal, dt))
                 if fp is None:

@@ -319,3 +319,23 @@ def test_max_batch_dims_works():
     # (the oracle's np.broadcast_arrays stops at 32 dims: give it the squeezed problem)
     ref = oracle(q.reshape(2, 1, 3, 4), k.reshape(2, 5, 4), v)
     assert_close(o, ref.reshape(o.shape), np.float64)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_alignment_checked_without_is_causal(masked):
+    """A bad causal_alignment is an error on every path, even when is_causal is False."""
+    q = np.random.default_rng(0).random((2, 64, 32))
+    mask = np.ones((64, 64), bool) if masked else None  # the mask takes the general path
+    with pytest.raises(ValueError, match=r"causal_alignment: expected 'top_left' or 'bottom_right'"):
+        fastattn.scaled_dot_product_attention(q, q, q, mask, causal_alignment="bogus")
+
+
+def test_kernel_rejects_unknown_path():
+    """The C entry point answers FA_EINVAL (2) for a path it does not know, never loops."""
+    from fastattn import _kernels
+
+    q = np.zeros((1, 8, 4))
+    out = np.empty_like(q)
+    rc = _kernels.sdpa(q, q, q, None, _kernels.MASK_NONE, out, None, (1,), False, 0, 0.5,
+                       8, 0, 7, False, 1)
+    assert rc == 2
