@@ -62,6 +62,7 @@ PARALLEL_MIN_FLOPS = 2_000_000
 _PATH_SINGLE = _kernels.PATH_SINGLE
 _PATH_STREAM = _kernels.PATH_STREAM
 _MASK_NONE = _kernels.MASK_NONE
+_MASK_NAMES = {_kernels.MASK_NONE: "none", _kernels.MASK_BOOL: "bool", _kernels.MASK_ADD: "additive"}
 _MAX_BATCH_DIMS = _kernels.MAX_BATCH_DIMS
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -463,7 +464,7 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     if math.prod(p.batch) * p.Lq * p.dv == 0 and not (p.want_weights and math.prod(p.batch) * p.Lq * p.Lk):
         return Plan("empty", False, p.cdt.name, p.batch, 0, 0, 1, 0,
                     p.causal_alignment if p.causal else None,
-                    {0: "none", 1: "bool", 2: "additive"}[p.mask_kind], p.copies,
+                    _MASK_NAMES[p.mask_kind], p.copies,
                     "nothing to compute: a dimension of the output is 0")
     path, bq, bk, no_blas, nt, ntasks, why = _plan(p.batch, p.Lq, p.Lk, max(p.d, 1), max(p.dv, 1),
                                           p.want_weights, p.n_threads, p.causal,
@@ -471,9 +472,9 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     if nt < p.n_threads:
         why += f"; {nt} thread(s): " + ("small problem" if ntasks >= p.n_threads else f"only {ntasks} task(s)")
     return Plan(
-        "single_pass" if path == _kernels.PATH_SINGLE else "streaming", not no_blas,
+        "single_pass" if path == _PATH_SINGLE else "streaming", not no_blas,
         p.cdt.name, p.batch, bq, bk, nt, ntasks,
         p.causal_alignment if p.causal else None,
-        {0: "none", 1: "bool", 2: "additive"}[p.mask_kind],
+        _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
