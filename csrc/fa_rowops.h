@@ -33,7 +33,23 @@ typedef struct {
                          const float *V, int64_t ldv, float *O, int64_t ldo);
     void (*small_pv_f64)(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
                          const double *V, int64_t ldv, double *O, int64_t ldo);
+    /* Packed products for the streaming tiles.  pack_kt: kp = scale * K^T
+     * (n keys x d) and pack_v: vp = V (n x dv) in the table's panel layout;
+     * gemm_pb: C (m x ncols, ldc) = A (m x k, lda) . B (k x ncols) packed that
+     * way, or C += when acc.  Packed buffers hold at most
+     * FA_PACK_ROUND(cols) * k elements. */
+    void (*pack_kt_f32)(int64_t n, int64_t d, float scale, const float *K, int64_t ldk, float *kp);
+    void (*pack_kt_f64)(int64_t n, int64_t d, double scale, const double *K, int64_t ldk, double *kp);
+    void (*pack_v_f32)(int64_t n, int64_t dv, const float *V, int64_t ldv, float *vp);
+    void (*pack_v_f64)(int64_t n, int64_t dv, const double *V, int64_t ldv, double *vp);
+    void (*gemm_pb_f32)(int64_t m, int64_t ncols, int64_t k, const float *A, int64_t lda,
+                        const float *Bp, float *C, int64_t ldc, int acc);
+    void (*gemm_pb_f64)(int64_t m, int64_t ncols, int64_t k, const double *A, int64_t lda,
+                        const double *Bp, double *C, int64_t ldc, int acc);
 } fa_rowops;
+
+/* Columns of a packed operand, rounded up to whole panels (16 floats or 8 doubles). */
+#define FA_PACK_ROUND(cols) (((cols) + 15) / 16 * 16)
 
 /* The table in use (scalar or AVX2), chosen by fa_simd_set_disabled / CPU detection. */
 const fa_rowops *fa_get_rowops(void);

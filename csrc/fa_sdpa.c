@@ -129,6 +129,12 @@ static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, do
 #define ops_small_qk_f64(o, ...) (o)->small_qk_f64(__VA_ARGS__)
 #define ops_small_pv_f32(o, ...) (o)->small_pv_f32(__VA_ARGS__)
 #define ops_small_pv_f64(o, ...) (o)->small_pv_f64(__VA_ARGS__)
+#define ops_pack_kt_f32(o, ...) (o)->pack_kt_f32(__VA_ARGS__)
+#define ops_pack_kt_f64(o, ...) (o)->pack_kt_f64(__VA_ARGS__)
+#define ops_pack_v_f32(o, ...) (o)->pack_v_f32(__VA_ARGS__)
+#define ops_pack_v_f64(o, ...) (o)->pack_v_f64(__VA_ARGS__)
+#define ops_gemm_pb_f32(o, ...) (o)->gemm_pb_f32(__VA_ARGS__)
+#define ops_gemm_pb_f64(o, ...) (o)->gemm_pb_f64(__VA_ARGS__)
 
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }

@@ -95,10 +95,11 @@ static inline int64_t FN(key_end)(const fa_sdpa_args *a, int64_t i0, int64_t m)
     return kend;
 }
 
-/* Single-pass tasks that skip BLAS (too small for a BLAS call to pay). */
+/* Tasks that skip BLAS: single-pass ones too small for a BLAS call to pay,
+ * streaming ones with our packed tile products. */
 static inline int FN(use_direct)(const fa_sdpa_args *a)
 {
-    return a->path == FA_PATH_SINGLE && a->direct;
+    return a->direct;
 }
 
 /* Where K^T goes for the direct products: after the scores and l. */
@@ -171,9 +172,12 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
     /* Streaming: key tiles with a running max and sum per query row; the
      * output rows themselves are the accumulator. */
     const int64_t bk = a->block_k;
+    const int direct = FN(use_direct)(a);
     REAL *S = scratch;                 /* m x bk */
     REAL *Mx = scratch + m * bk;       /* running max */
     REAL *Ls = Mx + m;                 /* running sum */
+    REAL *kp = Ls + m;                 /* packed scale * K^T tile (direct) */
+    REAL *vp = kp + FA_PACK_ROUND(bk) * a->d;  /* packed V tile (direct) */
     for (int64_t r = 0; r < m; r++) {
         Mx[r] = (REAL)(-INFINITY);
         Ls[r] = (REAL)0;
@@ -183,7 +187,13 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
         if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
             continue;
-        FN(rm_gemm)('N', 'T', m, n, a->d, scale, Q, a->ldq, K + j0 * a->ldk, a->ldk, (REAL)0, S, bk);
+        if (direct) {
+            FN(ops_pack_kt)(ops, n, a->d, scale, K + j0 * a->ldk, a->ldk, kp);
+            FN(ops_gemm_pb)(ops, m, n, a->d, Q, a->ldq, kp, S, bk, 0);
+        } else {
+            FN(rm_gemm)('N', 'T', m, n, a->d, scale, Q, a->ldq, K + j0 * a->ldk, a->ldk,
+                        (REAL)0, S, bk);
+        }
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * bk;
             FN(mask_row)(a, mb, bb, s, i0 + r, j0, n);
@@ -198,8 +208,13 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             Mx[r] = mnew;
             Ls[r] += FN(ops_expsub)(ops, s, n, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
         }
-        FN(rm_gemm)('N', 'N', m, dv, n, (REAL)1, S, bk, V + j0 * a->ldv, a->ldv,
-                    started ? (REAL)1 : (REAL)0, O, a->ldo);
+        if (direct) {
+            FN(ops_pack_v)(ops, n, dv, V + j0 * a->ldv, a->ldv, vp);
+            FN(ops_gemm_pb)(ops, m, dv, n, S, bk, vp, O, a->ldo, started);
+        } else {
+            FN(rm_gemm)('N', 'N', m, dv, n, (REAL)1, S, bk, V + j0 * a->ldv, a->ldv,
+                        started ? (REAL)1 : (REAL)0, O, a->ldo);
+        }
         started = 1;
     }
     if (!started) {
@@ -216,12 +231,16 @@ static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
     int64_t m = a->block_q;
     /* K^T for the direct products (not needed by their few-rows form) */
-    int64_t kt = FN(use_direct)(a) && m > FA_SMALL_QK_DOT_ROWS ? a->d * a->Lk : 0;
+    int64_t kt = FN(use_direct)(a) && a->path == FA_PATH_SINGLE && m > FA_SMALL_QK_DOT_ROWS
+                     ? a->d * a->Lk : 0;
     if (a->weights)
         return m + kt;                 /* scores go straight into the weights: just l */
     if (a->path == FA_PATH_SINGLE) {
         return m * a->Lk + m + kt;     /* scores and l */
     }
+    if (FN(use_direct)(a))         /* tile, max, sum, packed K^T and V tiles */
+        return m * a->block_k + 2 * m + FA_PACK_ROUND(a->block_k) * a->d
+               + a->block_k * FA_PACK_ROUND(a->dv);
     return m * a->block_k + 2 * m;
 }
 

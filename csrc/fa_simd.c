@@ -99,12 +99,48 @@ static void exp_f64_scalar(const double *x, double *y, int64_t n)
 SCALAR_SMALL(float, f32)
 SCALAR_SMALL(double, f64)
 
+/* Portable packed layout: one column per panel, i.e. kp = scale * K (n x d)
+ * and vp = V^T (dv x n); gemm_pb takes dot products against those rows. */
+#define SCALAR_PACKED(T, SFX)                                                             \
+    static void pack_kt_##SFX##_scalar(int64_t n, int64_t d, T scale, const T *K,          \
+                                       int64_t ldk, T *kp)                                 \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            for (int64_t c = 0; c < d; c++)                                                \
+                kp[j * d + c] = scale * K[j * ldk + c];                                    \
+    }                                                                                      \
+    static void pack_v_##SFX##_scalar(int64_t n, int64_t dv, const T *V, int64_t ldv,      \
+                                      T *vp)                                               \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            for (int64_t c = 0; c < dv; c++)                                               \
+                vp[c * n + j] = V[j * ldv + c];                                            \
+    }                                                                                      \
+    static void gemm_pb_##SFX##_scalar(int64_t m, int64_t ncols, int64_t k, const T *A,    \
+                                       int64_t lda, const T *Bp, T *C, int64_t ldc,        \
+                                       int acc)                                            \
+    {                                                                                      \
+        for (int64_t i = 0; i < m; i++)                                                    \
+            for (int64_t p = 0; p < ncols; p++) {                                          \
+                const T *a = A + i * lda, *b = Bp + p * k;                                 \
+                T s = 0;                                                                   \
+                for (int64_t c = 0; c < k; c++)                                            \
+                    s += a[c] * b[c];                                                      \
+                C[i * ldc + p] = acc ? C[i * ldc + p] + s : s;                             \
+            }                                                                              \
+    }
+SCALAR_PACKED(float, f32)
+SCALAR_PACKED(double, f64)
+
 static const fa_rowops scalar_ops = {
     rowmax_f32_scalar, rowmax_f64_scalar,
     expsub_sum_f32_scalar, expsub_sum_f64_scalar,
     exp_f32_scalar, exp_f64_scalar,
     small_qk_f32_scalar, small_qk_f64_scalar,
     small_pv_f32_scalar, small_pv_f64_scalar,
+    pack_kt_f32_scalar, pack_kt_f64_scalar,
+    pack_v_f32_scalar, pack_v_f64_scalar,
+    gemm_pb_f32_scalar, gemm_pb_f64_scalar,
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -456,6 +492,7 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #define SET1 _mm256_set1_ps
 #define ZERO _mm256_setzero_ps
 #define LOADU _mm256_loadu_ps
+#define STOREU _mm256_storeu_ps
 #define FMADD _mm256_fmadd_ps
 #define MUL _mm256_mul_ps
 #define ADD _mm256_add_ps
@@ -467,6 +504,7 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #undef SET1
 #undef ZERO
 #undef LOADU
+#undef STOREU
 #undef FMADD
 #undef MUL
 #undef ADD
@@ -478,6 +516,7 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #define SET1 _mm256_set1_pd
 #define ZERO _mm256_setzero_pd
 #define LOADU _mm256_loadu_pd
+#define STOREU _mm256_storeu_pd
 #define FMADD _mm256_fmadd_pd
 #define MUL _mm256_mul_pd
 #define ADD _mm256_add_pd
@@ -489,6 +528,7 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #undef SET1
 #undef ZERO
 #undef LOADU
+#undef STOREU
 #undef FMADD
 #undef MUL
 #undef ADD
@@ -499,6 +539,9 @@ static const fa_rowops avx2_ops = {
     exp_f32_avx2, exp_f64_avx2,
     small_qk_f32, small_qk_f64,
     small_pv_f32, small_pv_f64,
+    pack_kt_f32, pack_kt_f64,
+    pack_v_f32, pack_v_f64,
+    gemm_pb_f32, gemm_pb_f64,
 };
 
 static int cpu_has_avx2_fma(void)

@@ -229,3 +229,115 @@ AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
     SM(transpose_scaled)(n, d, scale, K, ldk, kt);
     SM(small_pv)(m, n, d, Q, ldq, kt, n, S, lds);
 }
+
+/* ---- Packed right-hand operands and the product against them ----
+ * The streaming kernel's tiles are multiplied against panels of PW = 2W
+ * columns stored contiguously (k rows x PW, zero padded past the last
+ * column).  Reading a panel is then sequential, whatever the leading
+ * dimension of the source: unpacked, the 16 columns of K^T or V at a
+ * power-of-two stride map onto a few L1 sets and evict each other. */
+#define PW (2 * W)
+
+/* kp = scale * K^T in panels of PW keys: kp[p][c][jj] = scale * K[p*PW + jj][c]. */
+AVX2 static void SM(pack_kt)(int64_t n, int64_t d, ELT scale, const ELT *K, int64_t ldk,
+                             ELT *kp)
+{
+    const VEC vs = SET1(scale);
+    for (int64_t p0 = 0; p0 < n; p0 += PW) {
+        ELT *panel = kp + p0 * d;  /* (p0 / PW) * d * PW */
+        for (int64_t h = 0; h < PW; h += W) {
+            int64_t j = p0 + h;
+            int64_t c = 0;
+            if (j + W <= n)
+                for (; c + W <= d; c += W)
+                    SM(transpose_block)(K + j * ldk + c, ldk, panel + c * PW + h, PW, vs);
+            for (; c < d; c++)
+                for (int64_t r = 0; r < W; r++)
+                    panel[c * PW + h + r] = j + r < n ? scale * K[(j + r) * ldk + c] : (ELT)0;
+        }
+    }
+}
+
+/* vp = V in panels of PW columns: vp[p][j][cc] = V[j][p*PW + cc]. */
+AVX2 static void SM(pack_v)(int64_t n, int64_t dv, const ELT *V, int64_t ldv, ELT *vp)
+{
+    for (int64_t p0 = 0; p0 < dv; p0 += PW) {
+        ELT *panel = vp + p0 * n;
+        int64_t rem = dv - p0;
+        const ELT *src = V + p0;
+        if (rem >= PW) {
+            for (int64_t j = 0; j < n; j++) {
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < PW; h += W)
+                    STOREU(panel + j * PW + h, LOADU(src + j * ldv + h));
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                STOREU(panel + j * PW, SM(load_part)(src + j * ldv, rem));
+                STOREU(panel + j * PW + W, SM(load_part)(src + j * ldv + W, rem - W));
+            }
+        }
+    }
+}
+
+/* C rows (up to 6) x one panel: C (+)= A . Bpanel over k. */
+AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, ELT *C,
+                                   int64_t ldc, int nrows, int64_t rem, int acc)
+{
+    VEC a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
+    if (acc) {
+        const ELT *c0 = C, *c1 = C + (nrows > 1 ? 1 : 0) * ldc, *c2 = C + (nrows > 2 ? 2 : 0) * ldc;
+        const ELT *c3 = C + (nrows > 3 ? 3 : 0) * ldc, *c4 = C + (nrows > 4 ? 4 : 0) * ldc;
+        const ELT *c5 = C + (nrows > 5 ? 5 : 0) * ldc;
+        a00 = SM(load_part)(c0, rem); a01 = SM(load_part)(c0 + W, rem - W);
+        a10 = SM(load_part)(c1, rem); a11 = SM(load_part)(c1 + W, rem - W);
+        a20 = SM(load_part)(c2, rem); a21 = SM(load_part)(c2 + W, rem - W);
+        a30 = SM(load_part)(c3, rem); a31 = SM(load_part)(c3 + W, rem - W);
+        a40 = SM(load_part)(c4, rem); a41 = SM(load_part)(c4 + W, rem - W);
+        a50 = SM(load_part)(c5, rem); a51 = SM(load_part)(c5 + W, rem - W);
+    } else {
+        a00 = a01 = a10 = a11 = a20 = a21 = ZERO();
+        a30 = a31 = a40 = a41 = a50 = a51 = ZERO();
+    }
+    const ELT *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5];
+    for (int64_t j = 0; j < k; j++) {
+        VEC v0 = LOADU(b + j * PW), v1 = LOADU(b + j * PW + W);
+        VEC x = SET1(p0[j]);
+        a00 = FMADD(x, v0, a00); a01 = FMADD(x, v1, a01);
+        x = SET1(p1[j]);
+        a10 = FMADD(x, v0, a10); a11 = FMADD(x, v1, a11);
+        x = SET1(p2[j]);
+        a20 = FMADD(x, v0, a20); a21 = FMADD(x, v1, a21);
+        x = SET1(p3[j]);
+        a30 = FMADD(x, v0, a30); a31 = FMADD(x, v1, a31);
+        x = SET1(p4[j]);
+        a40 = FMADD(x, v0, a40); a41 = FMADD(x, v1, a41);
+        x = SET1(p5[j]);
+        a50 = FMADD(x, v0, a50); a51 = FMADD(x, v1, a51);
+    }
+    VEC r[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
+    for (int i = 0; i < nrows; i++) {
+        SM(store_part)(C + i * ldc, r[2 * i], rem);
+        SM(store_part)(C + i * ldc + W, r[2 * i + 1], rem - W);
+    }
+}
+
+/* C (m x ncols, ldc) = A (m x k, lda) . B, or += when acc, for B packed in
+ * panels of PW columns (pack_kt / pack_v).  Panels outer: one panel stays in
+ * L1 while every row block of A passes over it. */
+AVX2 static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, int64_t lda,
+                             const ELT *Bp, ELT *C, int64_t ldc, int acc)
+{
+    for (int64_t p0 = 0; p0 < ncols; p0 += PW) {
+        const ELT *b = Bp + p0 * k;
+        int64_t rem = ncols - p0;
+        for (int64_t i = 0; i < m; i += 6) {
+            int nr = m - i < 6 ? (int)(m - i) : 6;
+            const ELT *p[6];
+            for (int r = 0; r < 6; r++)
+                p[r] = A + (i + (r < nr ? r : 0)) * lda;
+            SM(pb_6x2)(k, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
+        }
+    }
+}
+#undef PW

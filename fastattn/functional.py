@@ -54,6 +54,7 @@ SINGLE_PASS_MAX_KEYS = 512
 DIRECT_MAX_MACS = 1 << 21
 DIRECT_MAX_ROWS = 4
 BLOCK_K = 256
+STREAM_OWN_PRODUCTS = True
 BLOCK_Q_MAX = 256
 BLOCK_Q_MIN = 32
 # Below this many flops a call runs on the calling thread alone.
@@ -109,10 +110,11 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
     nb = 1
     for n in batch_shape:
         nb *= n
-    if want_weights or Lk <= SINGLE_PASS_MAX_KEYS or Lq <= DIRECT_MAX_ROWS:
+    own = STREAM_OWN_PRODUCTS and _kernels.simd_active()
+    if want_weights or Lq <= DIRECT_MAX_ROWS or (Lk <= SINGLE_PASS_MAX_KEYS and not own):
         path, bk = _PATH_SINGLE, Lk
     else:
-        path, bk = _PATH_STREAM, BLOCK_K
+        path, bk = _PATH_STREAM, min(BLOCK_K, Lk)
     if not causal:
         bq = BLOCK_Q_MAX
     else:
@@ -130,18 +132,25 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
     if nt > ntasks:
         nt = max(ntasks, 1)
     no_blas = path == _PATH_SINGLE and (bq <= DIRECT_MAX_ROWS or bq * Lk * (d + dv) <= DIRECT_MAX_MACS)
+    if path == _PATH_STREAM and own:
+        no_blas = True
     if not why:
         return path, bq, bk, no_blas, nt, ntasks
     if want_weights:
         reason = "weights requested: scores written into the weights output"
-    elif path == _PATH_SINGLE and Lk > SINGLE_PASS_MAX_KEYS:
-        reason = f"Lq={Lq} <= {DIRECT_MAX_ROWS}: one pass over all keys"
+        if no_blas:
+            reason += "; blocks small enough to skip BLAS"
+    elif path == _PATH_SINGLE and Lq <= DIRECT_MAX_ROWS:
+        reason = f"Lq={Lq} <= {DIRECT_MAX_ROWS}: one pass over all keys, dot-product kernels"
     elif path == _PATH_SINGLE:
-        reason = f"Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
+        reason = (f"SIMD off and Lk={Lk} <= {SINGLE_PASS_MAX_KEYS}: one pass over all keys"
+                  + ("; blocks small enough to skip BLAS" if no_blas else ""))
+    elif no_blas:
+        reason = (f"streaming softmax over tiles of {bk} keys; products by packed "
+                  "register-blocked kernels (no BLAS)")
     else:
-        reason = f"Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over key tiles"
-    if no_blas:
-        reason += "; blocks small enough to skip BLAS"
+        reason = (f"SIMD off and Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over "
+                  f"tiles of {bk} keys, BLAS products")
     return path, bq, bk, no_blas, nt, ntasks, reason
 
 
