@@ -37,16 +37,24 @@ typedef struct {
      * (n keys x d) and pack_v: vp = V (n x dv) in the table's panel layout;
      * gemm_pb: C (m x ncols, ldc) = A (m x k, lda) . B (k x ncols) packed that
      * way, or C += when acc.  Packed buffers hold at most
-     * FA_PACK_ROUND(cols) * k elements. */
+     * FA_PACK_ROUND(cols) * k elements.  lim (NULL: none): row block r, rows
+     * [FA_PACK_ROWS*r, FA_PACK_ROWS*(r+1)), needs only its first lim[r]
+     * columns of C (lim_k = 0; the others are left unwritten) or only its
+     * first lim[r] inner terms (lim_k = 1). */
     void (*pack_kt_f32)(int64_t n, int64_t d, float scale, const float *K, int64_t ldk, float *kp);
     void (*pack_kt_f64)(int64_t n, int64_t d, double scale, const double *K, int64_t ldk, double *kp);
     void (*pack_v_f32)(int64_t n, int64_t dv, const float *V, int64_t ldv, float *vp);
     void (*pack_v_f64)(int64_t n, int64_t dv, const double *V, int64_t ldv, double *vp);
     void (*gemm_pb_f32)(int64_t m, int64_t ncols, int64_t k, const float *A, int64_t lda,
-                        const float *Bp, float *C, int64_t ldc, int acc);
+                        const float *Bp, float *C, int64_t ldc, int acc,
+                        const int64_t *lim, int lim_k);
     void (*gemm_pb_f64)(int64_t m, int64_t ncols, int64_t k, const double *A, int64_t lda,
-                        const double *Bp, double *C, int64_t ldc, int acc);
+                        const double *Bp, double *C, int64_t ldc, int acc,
+                        const int64_t *lim, int lim_k);
 } fa_rowops;
+
+/* Rows per block of gemm_pb (the lim granularity). */
+#define FA_PACK_ROWS 6
 
 /* Columns of a packed operand, rounded up to whole panels (16 floats or 8 doubles). */
 #define FA_PACK_ROUND(cols) (((cols) + 15) / 16 * 16)

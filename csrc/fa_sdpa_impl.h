@@ -108,6 +108,16 @@ static inline REAL *FN(kt_scratch)(const fa_sdpa_args *a, REAL *scratch)
     return scratch + (a->weights ? a->block_q : a->block_q * a->Lk + a->block_q);
 }
 
+/* REAL elements reserved (64-byte multiples) for the causal block limits. */
+static inline int64_t FN(lim_elems)(const fa_sdpa_args *a)
+{
+    if (!(FN(use_direct)(a) && a->causal && a->path == FA_PATH_STREAM))
+        return 0;
+    int64_t nblk = (a->block_q + FA_PACK_ROWS - 1) / FA_PACK_ROWS;
+    int64_t bytes = (nblk * (int64_t)sizeof(int64_t) + 63) / 64 * 64;
+    return bytes / (int64_t)sizeof(REAL);
+}
+
 /* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
 static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int64_t i0,
                      int64_t m, REAL *scratch)
@@ -173,8 +183,11 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
      * output rows themselves are the accumulator. */
     const int64_t bk = a->block_k;
     const int direct = FN(use_direct)(a);
-    REAL *S = scratch;                 /* m x bk */
-    REAL *Mx = scratch + m * bk;       /* running max */
+    /* causal tiles with our products: each block of FA_PACK_ROWS query rows
+     * only computes and combines the keys its last row may see */
+    int64_t *Lim = direct && a->causal ? (int64_t *)scratch : NULL;
+    REAL *S = scratch + FN(lim_elems)(a);  /* m x bk */
+    REAL *Mx = S + m * bk;             /* running max */
     REAL *Ls = Mx + m;                 /* running sum */
     REAL *kp = Ls + m;                 /* packed scale * K^T tile (direct) */
     REAL *vp = kp + FA_PACK_ROUND(bk) * a->d;  /* packed V tile (direct) */
@@ -187,17 +200,25 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
         if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
             continue;
+        if (Lim) {
+            for (int64_t r0 = 0; r0 < m; r0 += FA_PACK_ROWS) {
+                int64_t last = r0 + FA_PACK_ROWS - 1 < m - 1 ? r0 + FA_PACK_ROWS - 1 : m - 1;
+                int64_t c = i0 + last + a->causal_offset - j0 + 1;
+                Lim[r0 / FA_PACK_ROWS] = c < 0 ? 0 : c > n ? n : c;
+            }
+        }
         if (direct) {
             FN(ops_pack_kt)(ops, n, a->d, scale, K + j0 * a->ldk, a->ldk, kp);
-            FN(ops_gemm_pb)(ops, m, n, a->d, Q, a->ldq, kp, S, bk, 0);
+            FN(ops_gemm_pb)(ops, m, n, a->d, Q, a->ldq, kp, S, bk, 0, Lim, 0);
         } else {
             FN(rm_gemm)('N', 'T', m, n, a->d, scale, Q, a->ldq, K + j0 * a->ldk, a->ldk,
                         (REAL)0, S, bk);
         }
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * bk;
-            FN(mask_row)(a, mb, bb, s, i0 + r, j0, n);
-            REAL tmax = FN(ops_rowmax)(ops, s, n);
+            int64_t nu = Lim ? Lim[r / FA_PACK_ROWS] : n;  /* columns this row's block uses */
+            FN(mask_row)(a, mb, bb, s, i0 + r, j0, nu);
+            REAL tmax = FN(ops_rowmax)(ops, s, nu);
             REAL mold = Mx[r];
             REAL mnew = tmax > mold ? tmax : mold;
             if (started && mnew > mold) {
@@ -206,11 +227,11 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
                 FN(scale_row)(O + r * a->ldo, dv, alpha);
             }
             Mx[r] = mnew;
-            Ls[r] += FN(ops_expsub)(ops, s, n, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
+            Ls[r] += FN(ops_expsub)(ops, s, nu, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
         }
         if (direct) {
             FN(ops_pack_v)(ops, n, dv, V + j0 * a->ldv, a->ldv, vp);
-            FN(ops_gemm_pb)(ops, m, dv, n, S, bk, vp, O, a->ldo, started);
+            FN(ops_gemm_pb)(ops, m, dv, n, S, bk, vp, O, a->ldo, started, Lim, 1);
         } else {
             FN(rm_gemm)('N', 'N', m, dv, n, (REAL)1, S, bk, V + j0 * a->ldv, a->ldv,
                         started ? (REAL)1 : (REAL)0, O, a->ldo);
@@ -239,7 +260,7 @@ static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
         return m * a->Lk + m + kt;     /* scores and l */
     }
     if (FN(use_direct)(a))         /* tile, max, sum, packed K^T and V tiles */
-        return m * a->block_k + 2 * m + FA_PACK_ROUND(a->block_k) * a->d
+        return FN(lim_elems)(a) + m * a->block_k + 2 * m + FA_PACK_ROUND(a->block_k) * a->d
                + a->block_k * FA_PACK_ROUND(a->dv);
     return m * a->block_k + 2 * m;
 }

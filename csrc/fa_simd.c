@@ -118,16 +118,22 @@ SCALAR_SMALL(double, f64)
     }                                                                                      \
     static void gemm_pb_##SFX##_scalar(int64_t m, int64_t ncols, int64_t k, const T *A,    \
                                        int64_t lda, const T *Bp, T *C, int64_t ldc,        \
-                                       int acc)                                            \
+                                       int acc, const int64_t *lim, int lim_k)             \
     {                                                                                      \
-        for (int64_t i = 0; i < m; i++)                                                    \
-            for (int64_t p = 0; p < ncols; p++) {                                          \
+        for (int64_t i = 0; i < m; i++) {                                                  \
+            int64_t nc = ncols, kk = k;                                                    \
+            if (lim && lim_k)                                                              \
+                kk = lim[i / 6] < k ? lim[i / 6] : k;                                      \
+            else if (lim)                                                                  \
+                nc = lim[i / 6] < ncols ? lim[i / 6] : ncols;                              \
+            for (int64_t p = 0; p < nc; p++) {                                             \
                 const T *a = A + i * lda, *b = Bp + p * k;                                 \
                 T s = 0;                                                                   \
-                for (int64_t c = 0; c < k; c++)                                            \
+                for (int64_t c = 0; c < kk; c++)                                           \
                     s += a[c] * b[c];                                                      \
                 C[i * ldc + p] = acc ? C[i * ldc + p] + s : s;                             \
             }                                                                              \
+        }                                                                                  \
     }
 SCALAR_PACKED(float, f32)
 SCALAR_PACKED(double, f64)

@@ -324,19 +324,31 @@ AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p,
 
 /* C (m x ncols, ldc) = A (m x k, lda) . B, or += when acc, for B packed in
  * panels of PW columns (pack_kt / pack_v).  Panels outer: one panel stays in
- * L1 while every row block of A passes over it. */
+ * L1 while every row block of A passes over it.  lim (NULL: none) limits row
+ * block r (rows 6r..6r+5) to its first lim[r] columns, or with lim_k to its
+ * first lim[r] terms of the inner dimension (causal tiles). */
 AVX2 static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, int64_t lda,
-                             const ELT *Bp, ELT *C, int64_t ldc, int acc)
+                             const ELT *Bp, ELT *C, int64_t ldc, int acc, const int64_t *lim,
+                             int lim_k)
 {
     for (int64_t p0 = 0; p0 < ncols; p0 += PW) {
         const ELT *b = Bp + p0 * k;
         int64_t rem = ncols - p0;
         for (int64_t i = 0; i < m; i += 6) {
+            int64_t kk = k;
+            if (lim) {
+                int64_t l = lim[i / 6];
+                if (lim_k) {
+                    kk = l < k ? l : k;
+                } else if (l <= p0) {
+                    continue;
+                }
+            }
             int nr = m - i < 6 ? (int)(m - i) : 6;
             const ELT *p[6];
             for (int r = 0; r < 6; r++)
                 p[r] = A + (i + (r < nr ? r : 0)) * lda;
-            SM(pb_6x2)(k, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
+            SM(pb_6x2)(kk, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
         }
     }
 }
