@@ -5,6 +5,7 @@ Canonical buffers in, preallocated outputs, GIL released, no user-facing
 checks: ``fastattn.functional`` validates every argument before it calls here.
 """
 cimport numpy as cnp
+from libc.math cimport sqrt
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
@@ -208,3 +209,194 @@ def exp(cnp.ndarray x, cnp.ndarray y):
     else:
         with nogil:
             fa_exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)
+
+
+# ---------------------------------------------------------------- fast entry
+# The plain call -- three C-contiguous, aligned, writeable ndarrays of one
+# float dtype, equal leading dims, no mask/out/weights -- with the plan of its
+# signature remembered here, so a repeated call costs one C-level comparison
+# instead of Python attribute lookups and a tuple-keyed dict.  Only buffer
+# properties are checked: anything else returns None and functional takes its
+# general path (which validates and explains).  The GIL guards the cache.
+
+DEF _FAST_SLOTS = 8
+
+cdef struct _fast_slot:
+    int used
+    int typenum
+    int nd
+    int64_t dims[34]    # q's dims, then Lk, dv
+    int n_threads
+    int causal
+    int bottom_right
+    int simd
+    int64_t block_q
+    int64_t block_k
+    int path
+    int direct
+    int nt
+
+cdef _fast_slot _slots[_FAST_SLOTS]
+cdef int _slot_next = 0
+
+
+def clear_fast_plans():
+    """Forget the remembered plans (after the planning constants changed)."""
+    global _slot_next
+    cdef int i
+    for i in range(_FAST_SLOTS):
+        _slots[i].used = 0
+    _slot_next = 0
+
+
+cdef inline bint _plain(object x, int typenum, int nd) noexcept:
+    if type(x) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    return (cnp.PyArray_TYPE(a) == typenum and cnp.PyArray_NDIM(a) == nd
+            and cnp.PyArray_ISCARRAY(a))
+
+
+def sdpa_plain(object query, object key, object value, bint causal, bint bottom_right,
+               object scale, int n_threads, object planner):
+    """Run the plain call, returning the output array, or the C status (an int)
+    when the kernel failed, or None when the arguments are not the plain case.
+
+    planner(batch, Lq, Lk, d, dv, n_threads, causal, dtype) ->
+    (block_q, block_k, path, direct, threads) is called on a signature not
+    seen before.
+    """
+    global _slot_next
+    if type(query) is not cnp.ndarray:
+        return None
+    cdef cnp.ndarray q = <cnp.ndarray>query
+    cdef int typenum = cnp.PyArray_TYPE(q)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    cdef int nd = cnp.PyArray_NDIM(q)
+    if nd < 2 or nd > FA_MAX_BATCH_DIMS + 2 or not cnp.PyArray_ISCARRAY(q):
+        return None
+    if not _plain(key, typenum, nd) or not _plain(value, typenum, nd):
+        return None
+    cdef cnp.ndarray k = <cnp.ndarray>key
+    cdef cnp.ndarray v = <cnp.ndarray>value
+    cdef cnp.npy_intp *qd = cnp.PyArray_DIMS(q)
+    cdef cnp.npy_intp *kd = cnp.PyArray_DIMS(k)
+    cdef cnp.npy_intp *vd = cnp.PyArray_DIMS(v)
+    cdef int i, j, nb = nd - 2
+    for i in range(nb):
+        if kd[i] != qd[i] or vd[i] != qd[i]:
+            return None
+    cdef int64_t Lq = qd[nd - 2], d = qd[nd - 1], Lk = kd[nd - 2], dv = vd[nd - 1]
+    cdef int64_t imax = 2147483647
+    if (kd[nd - 1] != d or vd[nd - 2] != Lk or d <= 0 or dv <= 0 or Lk <= 0
+            or d > imax or dv > imax or Lk > imax or Lq > imax):
+        return None
+    cdef double sc
+    if scale is None:
+        sc = 1.0 / sqrt(<double>d)
+    elif type(scale) is float:
+        sc = <double>scale
+    else:
+        return None
+    cdef int simd = fa_simd_active()
+    cdef _fast_slot *s = NULL
+    cdef _fast_slot *c
+    for i in range(_FAST_SLOTS):
+        c = &_slots[i]
+        if (c.used and c.typenum == typenum and c.nd == nd and c.n_threads == n_threads
+                and c.causal == causal and c.bottom_right == bottom_right and c.simd == simd
+                and c.dims[nd] == Lk and c.dims[nd + 1] == dv):
+            j = 0
+            while j < nd and c.dims[j] == qd[j]:
+                j += 1
+            if j == nd:
+                s = c
+                break
+    if s is NULL:
+        batch = tuple([qd[i] for i in range(nb)])
+        plan = planner(batch, Lq, Lk, d, dv, n_threads, causal, q.dtype)
+        s = &_slots[_slot_next]
+        _slot_next = (_slot_next + 1) % _FAST_SLOTS
+        s.used = 0
+        s.typenum = typenum
+        s.nd = nd
+        for i in range(nd):
+            s.dims[i] = qd[i]
+        s.dims[nd] = Lk
+        s.dims[nd + 1] = dv
+        s.n_threads = n_threads
+        s.causal = causal
+        s.bottom_right = bottom_right
+        s.simd = simd
+        s.block_q, s.block_k, s.path, s.direct, s.nt = plan
+        s.used = 1
+
+    cdef cnp.npy_intp odims[34]
+    for i in range(nd - 1):
+        odims[i] = qd[i]
+    odims[nd - 1] = dv
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(nd, odims, typenum, 0)
+
+    cdef fa_sdpa_args a
+    cdef int64_t shape[32]
+    cdef int64_t qbs[32]
+    cdef int64_t kbs[32]
+    cdef int64_t vbs[32]
+    cdef int64_t obs[32]
+    cdef int64_t sq = Lq * d, sk = Lk * d, sv = Lk * dv, so = Lq * dv
+    for i in range(nb - 1, -1, -1):  # C-contiguous: strides from the dims
+        shape[i] = qd[i]
+        qbs[i] = sq if qd[i] != 1 else 0
+        kbs[i] = sk if qd[i] != 1 else 0
+        vbs[i] = sv if qd[i] != 1 else 0
+        obs[i] = so if qd[i] != 1 else 0
+        sq *= qd[i]
+        sk *= qd[i]
+        sv *= qd[i]
+        so *= qd[i]
+    a.nbatch = nb
+    a.batch_shape = shape
+    a.q_bs = qbs
+    a.k_bs = kbs
+    a.v_bs = vbs
+    a.o_bs = obs
+    a.m_bs = NULL
+    a.w_bs = NULL
+    a.Lq = Lq
+    a.Lk = Lk
+    a.d = d
+    a.dv = dv
+    a.ldq = d
+    a.ldk = d
+    a.ldv = dv
+    a.ldo = dv
+    a.ldm = 0
+    a.ldw = 0
+    a.q = cnp.PyArray_DATA(q)
+    a.k = cnp.PyArray_DATA(k)
+    a.v = cnp.PyArray_DATA(v)
+    a.mask = NULL
+    a.mask_kind = FA_MASK_NONE
+    a.causal = causal
+    a.causal_offset = Lk - Lq if (causal and bottom_right) else 0
+    a.scale = sc
+    a.out = cnp.PyArray_DATA(out)
+    a.weights = NULL
+    a.block_q = s.block_q
+    a.block_k = s.block_k
+    a.path = s.path
+    a.direct = s.direct
+    a.n_threads = s.nt
+    a.stop = NULL
+    a.stop_ctx = NULL
+    cdef int rc
+    if typenum == cnp.NPY_FLOAT32:
+        with nogil:
+            rc = fa_sdpa_f32(&a)
+    else:
+        with nogil:
+            rc = fa_sdpa_f64(&a)
+    if rc != FA_OK:
+        return rc
+    return out

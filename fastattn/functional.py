@@ -68,8 +68,8 @@ _MAX_BATCH_DIMS = _kernels.MAX_BATCH_DIMS
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _ndarray = np.ndarray
-_sdpa_kernel = _kernels.sdpa
-_empty = np.empty
+_sdpa_plain = _kernels.sdpa_plain
+_resolve = _threads.resolve
 
 
 class Plan(NamedTuple):
@@ -89,20 +89,17 @@ class Plan(NamedTuple):
     reason: str
 
 
-_fast_plans: dict = {}
-
-
-def _fast_plan(batch, Lq, Lk, d, dv, n_threads, causal, dtype):
-    """Everything the fast path needs for one call signature, memoised: repeated
-    calls of one shape skip the planning arithmetic (and install the BLAS hook)."""
+def _plain_plan(batch, Lq, Lk, d, dv, n_threads, causal, dtype):
+    """The plan of a plain call (see _kernels.sdpa_plain, which remembers it)."""
     _threads.ensure_blas_hook()
     path, bq, bk, no_blas, nt, _ = _plan(batch, Lq, Lk, d, dv, False, n_threads, causal,
                                          dtype.itemsize)
-    plan = (batch + (Lq, dv), bq, bk, path, no_blas, nt, 1.0 / math.sqrt(d))
-    if len(_fast_plans) >= 256:
-        _fast_plans.clear()
-    _fast_plans[(batch, Lq, Lk, d, dv, n_threads, causal, dtype)] = plan
-    return plan
+    return bq, bk, path, no_blas, nt
+
+
+def _clear_plans():
+    """Forget remembered plans (tests that change the planning constants)."""
+    _kernels.clear_fast_plans()
 
 
 def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize, why=False):
@@ -232,46 +229,26 @@ def scaled_dot_product_attention(
     in float32 (returned as float16), integers and bool as float64.  Complex
     inputs raise TypeError.
     """
-    # The common call -- three C-contiguous, aligned, writeable arrays of one
+    # The plain call -- three C-contiguous, aligned, writeable arrays of one
     # native float dtype with equal leading dims, no mask, out or weights --
-    # skips canonicalisation (there is nothing to canonicalise).  Every check
-    # that could fail is still made; anything unusual takes the general path.
+    # has nothing to canonicalise: the binding checks those buffer properties
+    # and remembers the plan of each signature.  Anything else (including
+    # every error) takes the general path.
     if (attn_mask is None and out is None and return_weights is False
-            and type(query) is _ndarray and type(key) is _ndarray and type(value) is _ndarray):
-        dt = query.dtype
-        qs, ks, vs = query.shape, key.shape, value.shape
-        n = len(qs)
-        if ((dt is _F32 or dt is _F64) and dt is key.dtype and dt is value.dtype
-                and 2 <= n <= _MAX_BATCH_DIMS + 2 and len(ks) == n and len(vs) == n
-                and (is_causal is False or is_causal is True)
-                and query.flags.carray and key.flags.carray and value.flags.carray):
-            batch = qs[:-2]
-            Lq, d = qs[-2], qs[-1]
-            Lk, dv = vs[-2], vs[-1]
-            if (ks[:-2] == batch and vs[:-2] == batch and ks[-1] == d and ks[-2] == Lk
-                    and 0 < d <= BLAS_INT_MAX and 0 < dv <= BLAS_INT_MAX
-                    and 0 < Lk <= BLAS_INT_MAX and Lq <= BLAS_INT_MAX
-                    and (scale is None or type(scale) is float)):
-                off = 0
-                if causal_alignment != "top_left":
-                    if causal_alignment != "bottom_right":
-                        raise ValueError(
-                            "causal_alignment: expected 'top_left' or 'bottom_right', "
-                            f"got {causal_alignment!r}")
-                    if is_causal:
-                        off = Lk - Lq
-                nt = _threads.resolve(n_threads)
-                fp = _fast_plans.get((batch, Lq, Lk, d, dv, nt, is_causal, dt))
-                if fp is None:
-                    fp = _fast_plan(batch, Lq, Lk, d, dv, nt, is_causal, dt)
-                out_shape, bq, bk, path, no_blas, nt, default_scale = fp
-                rc = _sdpa_kernel(query, key, value, None, _MASK_NONE, res := _empty(out_shape, dt),
-                                  None, batch, is_causal, off,
-                                  default_scale if scale is None else scale,
-                                  bq, bk, path, no_blas, nt)
-                if rc:
-                    _raise_status(rc)
-                return res
+            and (is_causal is False or is_causal is True)):
+        if causal_alignment == "top_left":
+            br = False
+        elif causal_alignment == "bottom_right":
+            br = True
+        else:
+            br = None
+        if br is not None:
+            r = _sdpa_plain(query, key, value, is_causal, br, scale,
+                            _resolve(n_threads), _plain_plan)
+            if r is not None:
+                if type(r) is int:
+                    _raise_status(r)
+                return r
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
                  causal_alignment, out, n_threads)
     return _run(p)

@@ -31,9 +31,9 @@ SIZES = [  # (Lq, Lk, d, dv)
 def small_tiles(monkeypatch):
     def use(bk):
         monkeypatch.setattr(F, "BLOCK_K", bk)
-        F._fast_plans.clear()
+        F._clear_plans()
     yield use
-    F._fast_plans.clear()
+    F._clear_plans()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
