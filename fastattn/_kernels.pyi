@@ -35,3 +35,14 @@ def sdpa(
     n_threads: int,
 ) -> int: ...
 def exp(x: np.ndarray, y: np.ndarray) -> None: ...
+def clear_fast_plans() -> None: ...
+def sdpa_plain(
+    query: object,
+    key: object,
+    value: object,
+    causal: bool,
+    bottom_right: bool,
+    scale: float | None,
+    n_threads: int,
+    planner: object,
+) -> np.ndarray | int | None: ...
