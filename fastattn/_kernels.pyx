@@ -54,6 +54,8 @@ cdef extern from "fastattn.h" nogil:
     int fa_sdpa_f64(const fa_sdpa_args *a)
     void fa_exp_f32(const float *x, float *y, int64_t n)
     void fa_exp_f64(const double *x, double *y, int64_t n)
+    float fa_expsub_sum_f32(float *x, int64_t n, float m)
+    double fa_expsub_sum_f64(double *x, int64_t n, double m)
     int fa_simd_active()
     int fa_pool_workers()
     int fa_simd_compiled()
@@ -209,6 +211,19 @@ def exp(cnp.ndarray x, cnp.ndarray y):
     else:
         with nogil:
             fa_exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)
+
+
+def expsub(cnp.ndarray x, double m):
+    """x = exp(x - m) in place (x <= m: a softmax row); returns the sum.  x contiguous."""
+    cdef int64_t n = cnp.PyArray_SIZE(x)
+    cdef double r
+    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        with nogil:
+            r = fa_expsub_sum_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
+    else:
+        with nogil:
+            r = fa_expsub_sum_f64(<double *>cnp.PyArray_DATA(x), n, m)
+    return r
 
 
 # ---------------------------------------------------------------- fast entry

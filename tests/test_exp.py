@@ -216,3 +216,29 @@ def test_simd_and_scalar_both_exercised():
     finally:
         _restore_simd()
     assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("m", [0.0, 3.25, -17.5, 60.0])
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f64"])
+def test_expsub_softmax_rows(simd_mode, dtype, m, rng):
+    """The softmax row operation (its exp assumes x - m <= 0): exp(x - m) in place
+    within the same ulp bound, exact 0 for -inf, NaN kept, the sum returned."""
+    lo, hi = SOFTMAX_RANGE[dtype]
+    x = (dense_sample(dtype, lo, hi, rng) + dtype(m)).astype(dtype)
+    x = x[x <= dtype(m)]
+    diff = x - dtype(m)            # what the kernel exponentiates, rounded as it is
+    y = x.copy()
+    total = _kernels.expsub(y, m)
+    worst, at = refined_max_error(y, diff, dtype, MAX_ULP[dtype])
+    assert worst <= MAX_ULP[dtype], f"max error {worst:.5f} ulp at x-m={at!r}"
+    # the sum, over a row of a realistic length (the accumulation is plain summation)
+    part = rng.choice(x, 4096)
+    ref_sum = float(np.sum(exact_exp(part - dtype(m)), dtype=np.longdouble))
+    got_sum = _kernels.expsub(part, m)
+    rel = 1e-5 if dtype == np.float32 else 1e-13
+    assert abs(got_sum - ref_sum) <= rel * ref_sum, (got_sum, ref_sum)
+    assert total > 0
+    row = np.array([m, -np.inf, m - 1, np.nan, -np.inf, m - 200, m - 2, m - 3, m - 4], dtype)
+    total = _kernels.expsub(row, m)
+    assert row[0] == 1.0 and row[1] == 0.0 and row[4] == 0.0 and np.isnan(row[3])
+    assert np.isnan(total)
