@@ -1,6 +1,7 @@
 """Tile-size sweep for the SDPA kernel: times _kernels.sdpa under explicit plans.
 
-Run: python benchmarks/tune_tiles.py [long|mid].  Prints, per shape, every plan
+Run: python benchmarks/tune_tiles.py [long|mid|own].  "own" sweeps the
+streaming path with our packed products (SIMD on), the others the BLAS tiles.  Prints, per shape, every plan
 with its median time, GFLOP/s and ratio to the best; functional._plan encodes
 the winners.
 """
@@ -24,14 +25,17 @@ def run(shape, dt, causal, plans, nt=2):
     o = np.empty_like(q)
     res = {}
     for rep in range(2):
-        for (path, bq, bk) in plans:
-            f = lambda: K.sdpa(q, k, v, None, 0, o, None, (B, H), causal, 0, d ** -0.5, bq, bk, path, False, nt)
+        for plan in plans:
+            path, bq, bk = plan[:3]
+            direct = len(plan) > 3 and plan[3]
+            f = lambda: K.sdpa(q, k, v, None, 0, o, None, (B, H), causal, 0, d ** -0.5, bq, bk, path, direct, nt)
             t = med(f)
-            res[(path, bq, bk)] = min(res.get((path, bq, bk), 1e9), t)
+            res[plan] = min(res.get(plan, 1e9), t)
     fl = 4 * B * H * N * N * d / (2 if causal else 1)
     best = min(res.values())
     for p, t in sorted(res.items(), key=lambda x: x[1]):
-        print(f"  {shape} {np.dtype(dt).name} causal={causal} path={'single' if p[0]==1 else 'stream'} bq={p[1]} bk={p[2]}: {t*1e3:8.3f} ms {fl/t/1e9:6.1f} GF/s {t/best:5.2f}x")
+        kind = "single" if p[0] == 1 else "stream-own" if len(p) > 3 and p[3] else "stream"
+        print(f"  {shape} {np.dtype(dt).name} causal={causal} path={kind} bq={p[1]} bk={p[2]}: {t*1e3:8.3f} ms {fl/t/1e9:6.1f} GF/s {t/best:5.2f}x")
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "long"
@@ -46,3 +50,12 @@ if __name__ == "__main__":
             plans = [(1, bq, N) for bq in (16, 32, 64, 128, 256) if bq <= N] + [(2, bq, bk) for bq in (64, 128) for bk in (128, 256) if bk < N]
             for causal in (False, True):
                 run(shape, np.float32, causal, plans)
+    elif which == "own":
+        for shape, dt in [((8, 8, 128, 64), np.float32), ((1, 8, 512, 64), np.float32),
+                          ((1, 8, 2048, 64), np.float32), ((1, 8, 2048, 64), np.float64)]:
+            N = shape[2]
+            nq = shape[0] * shape[1]
+            plans = [(2, bq, bk, True) for bq in (64, 128, 256) for bk in (64, 128, 256, 512)
+                     if bq <= N and bk <= N and nq * -(-N // bq) >= 4]
+            for causal in (False, True):
+                run(shape, dt, causal, plans)

@@ -37,7 +37,19 @@ __all__ = ["scaled_dot_product_attention", "explain", "Plan"]
 _ALIGNMENTS = ("top_left", "bottom_right")
 
 # Tiling, chosen by measurement on a 2-core AVX2 machine (L2 512 KiB-1 MiB a
-# core; the sweep is benchmarks/tune_tiles.py).  Keys up to
+# core; the sweeps are benchmarks/tune_tiles.py).  With SIMD on, every call
+# without weights and with more than DIRECT_MAX_ROWS queries streams over
+# tiles of BLOCK_K keys through our packed products (K^T and V tiles packed
+# into 16-column panels, a 6x16 register-blocked kernel): single-threaded they
+# ran 10-15 % faster than OpenBLAS on the same tiles, and `tune_tiles.py own`
+# found every query block of 64-256 rows and key tile of 128-512 keys within
+# 4 % of the best (256/256 at 1x8x512x64, 128/256 at 1x8x2048x64), causal or
+# not -- so query blocks are BLOCK_Q_MAX rows, halved only to give every
+# thread two tasks.  Causal tiles skip the keys above the diagonal per block
+# of 6 rows, so causal needs no smaller blocks.
+#
+# Without SIMD, with weights, or for decoding (the BLAS and small-kernel
+# paths): keys up to
 # SINGLE_PASS_MAX_KEYS are scored in one pass per query block (exact two-pass
 # softmax over the whole row); longer key sequences stream over tiles of
 # BLOCK_K keys with an online softmax.  Query blocks: as large as BLOCK_Q_MAX
@@ -54,7 +66,7 @@ SINGLE_PASS_MAX_KEYS = 512
 DIRECT_MAX_MACS = 1 << 21
 DIRECT_MAX_ROWS = 4
 BLOCK_K = 256
-STREAM_OWN_PRODUCTS = True
+STREAM_OWN_PRODUCTS = True  # False: BLAS tiles even with SIMD (for comparisons)
 BLOCK_Q_MAX = 256
 BLOCK_Q_MIN = 32
 # Below this many flops a call runs on the calling thread alone.
