@@ -3,6 +3,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stdint.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <time.h>
@@ -31,7 +32,10 @@ typedef struct {
     int max_helpers;       /* under pool lock */
     int helpers;           /* attached workers, under pool lock */
     int slots;             /* slots given out, under pool lock */
+    int64_t helped;        /* atomic: tasks run by workers */
 } fa_job;
+
+static int64_t g_last_helped = 0; /* atomic */
 
 static struct {
     pthread_mutex_t lock;
@@ -64,6 +68,8 @@ static void run_tasks(fa_job *j, int slot, fa_stop_fn stop, void *stop_ctx)
         if (t >= j->ntasks)
             return;
         j->fn(j->ctx, t, slot);
+        if (slot)
+            __atomic_add_fetch(&j->helped, 1, __ATOMIC_RELAXED);
         if (stop && now_ns() >= next_check) {
             if (stop(stop_ctx)) {
                 __atomic_store_n(&j->cancel, 1, __ATOMIC_RELAXED);
@@ -77,7 +83,10 @@ static void run_tasks(fa_job *j, int slot, fa_stop_fn stop, void *stop_ctx)
 static void *worker_main(void *unused)
 {
     (void)unused;
-    uint64_t seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+    /* no generation yet: look at the open job right away.  (Starting from the
+     * current P.gen lost the job whose call created this worker: that call
+     * posts it right after ensure_workers, possibly before we run.) */
+    uint64_t seen = UINT64_MAX;
     for (;;) {
         /* spin a little: back-to-back calls find us awake */
         int64_t until = now_ns() + FA_WORKER_SPIN_NS;
@@ -153,10 +162,12 @@ int fa_pool_workers(void)
     return n;
 }
 
+int64_t fa_pool_last_helped(void) { return __atomic_load_n(&g_last_helped, __ATOMIC_RELAXED); }
+
 int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
                 fa_stop_fn stop, void *stop_ctx)
 {
-    fa_job j = {fn, ctx, ntasks, 0, 0, 0, 0, 0};
+    fa_job j = {fn, ctx, ntasks, 0, 0, 0, 0, 0, 0};
     int helpers = nthreads - 1;
     if (helpers > ntasks - 1)
         helpers = (int)(ntasks - 1);
@@ -193,6 +204,8 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
                 pthread_cond_wait(&P.idle, &P.lock);
             pthread_mutex_unlock(&P.lock);
         }
+        __atomic_store_n(&g_last_helped, __atomic_load_n(&j.helped, __ATOMIC_RELAXED),
+                         __ATOMIC_RELAXED);
     }
     return __atomic_load_n(&j.cancel, __ATOMIC_RELAXED) ? 1 : 0;
 }

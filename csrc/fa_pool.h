@@ -31,4 +31,8 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
 /* Number of worker threads currently alive (for tests and explain()). */
 int fa_pool_workers(void);
 
+/* Tasks that pool workers (not the caller) ran in the last fa_pool_run that
+ * posted work (for tests: a worker that misses a job shows up as 0). */
+int64_t fa_pool_last_helped(void);
+
 #endif

@@ -93,6 +93,8 @@ int fa_sdpa_f64(const fa_sdpa_args *a);
 
 /* Worker threads alive in fastattn's pool. */
 int fa_pool_workers(void);
+/* Tasks run by pool workers in the last call that posted work (tests). */
+int64_t fa_pool_last_helped(void);
 
 /* Vectorised exp over an array (in place allowed); exact 0 for -inf. */
 void fa_exp_f32(const float *x, float *y, int64_t n);

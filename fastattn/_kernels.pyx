@@ -58,6 +58,7 @@ cdef extern from "fastattn.h" nogil:
     double fa_expsub_sum_f64(double *x, int64_t n, double m)
     int fa_simd_active()
     int fa_pool_workers()
+    int64_t fa_pool_last_helped()
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
 
@@ -79,6 +80,11 @@ def set_blas_threads_hook(uintptr_t address):
 def pool_workers():
     """Worker threads alive in the kernels' pool."""
     return fa_pool_workers()
+
+
+def pool_last_helped():
+    """Tasks the pool's workers (not the caller) ran in the last parallel call."""
+    return fa_pool_last_helped()
 
 
 def simd_compiled():

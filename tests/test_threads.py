@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from conftest import assert_close, oracle, randn
+from conftest import assert_close, oracle, randn, run_child
 
 sdpa = fastattn.scaled_dot_product_attention
 
@@ -331,3 +331,21 @@ def test_pool_workers_sleep_after_a_call(rng):
     used = time.process_time() - c0
     # an idle process: well under one busy core over the interval
     assert used < 0.5 * (time.perf_counter() - t0)
+
+
+def test_first_parallel_call_gets_its_worker():
+    """The worker that a process's first parallel call creates must join that call
+    (it used to start waiting for the *next* job: the first call ran on one thread)."""
+    code = (
+        "import numpy as np, fastattn\n"
+        "from fastattn import _kernels\n"
+        "q = np.random.default_rng(0).standard_normal((1, 16, 512, 64)).astype(np.float32)\n"
+        "assert _kernels.pool_workers() == 0\n"
+        "fastattn.scaled_dot_product_attention(q, q, q, n_threads=2)\n"
+        "print(_kernels.pool_workers(), _kernels.pool_last_helped())\n"
+    )
+    r = run_child(code)
+    assert r.returncode == 0, r.stderr
+    workers, helped = map(int, r.stdout.split())
+    assert workers == 1
+    assert helped >= 1  # 32 tasks of ~0.5 ms each: the worker ran some of them
