@@ -217,8 +217,15 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * bk;
             int64_t nu = Lim ? Lim[r / FA_PACK_ROWS] : n;  /* columns this row's block uses */
-            FN(mask_row)(a, mb, bb, s, i0 + r, j0, nu);
-            REAL tmax = FN(ops_rowmax)(ops, s, nu);
+            int64_t na = nu;                               /* of which this row may see */
+            if (a->causal) {
+                int64_t c = i0 + r + a->causal_offset - j0 + 1;
+                na = c < 0 ? 0 : c < nu ? c : nu;
+            }
+            /* the causally forbidden columns become exact zeros after the
+             * exponentials (not -inf before: exp's slow path) */
+            FN(mask_row)(a, mb, bb, s, i0 + r, j0, na);
+            REAL tmax = FN(ops_rowmax)(ops, s, na);
             REAL mold = Mx[r];
             REAL mnew = tmax > mold ? tmax : mold;
             if (started && mnew > mold) {
@@ -227,7 +234,9 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
                 FN(scale_row)(O + r * a->ldo, dv, alpha);
             }
             Mx[r] = mnew;
-            Ls[r] += FN(ops_expsub)(ops, s, nu, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
+            Ls[r] += FN(ops_expsub)(ops, s, na, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
+            if (na < nu)
+                memset(s + na, 0, (size_t)(nu - na) * sizeof(REAL));
         }
         if (direct) {
             FN(ops_pack_v)(ops, n, dv, V + j0 * a->ldv, a->ldv, vp);

@@ -302,10 +302,14 @@ AVX2 static float rowmax_f32_avx2(const float *x, int64_t n)
     }
     for (; j + 8 <= n; j += 8)
         m0 = _mm256_max_ps(_mm256_loadu_ps(x + j), m0);
-    float m = hmax8(_mm256_max_ps(m0, m1));
-    for (; j < n; j++)
-        m = x[j] > m ? x[j] : m;
-    return m;
+    if (j < n) {  /* masked tail: lanes past the end read as -inf */
+        __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + j, msk),
+                                    _mm256_castsi256_ps(msk));
+        m1 = _mm256_max_ps(v, m1);
+    }
+    return hmax8(_mm256_max_ps(m0, m1));
 }
 
 AVX2 static double rowmax_f64_avx2(const double *x, int64_t n)
@@ -318,10 +322,13 @@ AVX2 static double rowmax_f64_avx2(const double *x, int64_t n)
     }
     for (; j + 4 <= n; j += 4)
         m0 = _mm256_max_pd(_mm256_loadu_pd(x + j), m0);
-    double m = hmax4(_mm256_max_pd(m0, m1));
-    for (; j < n; j++)
-        m = x[j] > m ? x[j] : m;
-    return m;
+    if (j < n) {  /* masked tail */
+        __m256i msk = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n - j), _mm256_setr_epi64x(0, 1, 2, 3));
+        __m256d v = _mm256_blendv_pd(_mm256_set1_pd(-INFINITY), _mm256_maskload_pd(x + j, msk),
+                                     _mm256_castsi256_pd(msk));
+        m1 = _mm256_max_pd(v, m1);
+    }
+    return hmax4(_mm256_max_pd(m0, m1));
 }
 
 AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
@@ -334,15 +341,16 @@ AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
         _mm256_storeu_ps(x + j, e);
         acc = _mm256_add_ps(acc, e);
     }
-    if (j < n) {
-        float buf[8];
-        int64_t t = n - j;
-        for (int i = 0; i < 8; i++)
-            buf[i] = i < t ? x[j + i] - m : -INFINITY;
-        __m256 e = exp8_nonpos_f32(_mm256_loadu_ps(buf));
-        _mm256_storeu_ps(buf, e);
-        acc = _mm256_add_ps(acc, e);
-        memcpy(x + j, buf, (size_t)t * sizeof(float));
+    if (j < n) {  /* masked tail */
+        __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        /* lanes past the end compute exp(0) (not -inf: that takes exp's slow
+         * subnormal path) and are left out of the sum and the store */
+        __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + j, msk), vm);
+        v = _mm256_and_ps(v, _mm256_castsi256_ps(msk));
+        __m256 e = exp8_nonpos_f32(v);
+        _mm256_maskstore_ps(x + j, msk, e);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(msk)));
     }
     return hsum8(acc);
 }
@@ -357,15 +365,13 @@ AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
         _mm256_storeu_pd(x + j, e);
         acc = _mm256_add_pd(acc, e);
     }
-    if (j < n) {
-        double buf[4];
-        int64_t t = n - j;
-        for (int i = 0; i < 4; i++)
-            buf[i] = i < t ? x[j + i] - m : -INFINITY;
-        __m256d e = exp4_f64(_mm256_loadu_pd(buf));
-        _mm256_storeu_pd(buf, e);
-        acc = _mm256_add_pd(acc, e);
-        memcpy(x + j, buf, (size_t)t * sizeof(double));
+    if (j < n) {  /* masked tail, as for float */
+        __m256i msk = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n - j), _mm256_setr_epi64x(0, 1, 2, 3));
+        __m256d v = _mm256_sub_pd(_mm256_maskload_pd(x + j, msk), vm);
+        v = _mm256_and_pd(v, _mm256_castsi256_pd(msk));
+        __m256d e = exp4_f64(v);
+        _mm256_maskstore_pd(x + j, msk, e);
+        acc = _mm256_add_pd(acc, _mm256_and_pd(e, _mm256_castsi256_pd(msk)));
     }
     return hsum4(acc);
 }
