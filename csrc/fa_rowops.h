@@ -18,6 +18,13 @@ typedef struct {
     /* x[j] = exp(x[j] - m) in place, returns the sum (NaN propagates) */
     float (*expsub_sum_f32)(float *x, int64_t n, float m);
     double (*expsub_sum_f64)(double *x, int64_t n, double m);
+    /* expsub for rows with masked (-inf) entries: those become exact zeros
+     * without exp's subnormal path (which every -inf lane would take) */
+    float (*expsub_masked_f32)(float *x, int64_t n, float m);
+    double (*expsub_masked_f64)(double *x, int64_t n, double m);
+    /* x[j] = -inf where the byte m[j] is 0 */
+    void (*mask_bool_f32)(float *x, const unsigned char *m, int64_t n);
+    void (*mask_bool_f64)(double *x, const unsigned char *m, int64_t n);
     void (*exp_f32)(const float *x, float *y, int64_t n);
     void (*exp_f64)(const double *x, double *y, int64_t n);
     /* S (m x n, lds) = scale * Q (m x d, ldq) . K (n x d, ldk)^T, without BLAS;

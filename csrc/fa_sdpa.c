@@ -125,6 +125,10 @@ static inline float ops_rowmax_f32(const fa_rowops *o, const float *x, int64_t n
 static inline double ops_rowmax_f64(const fa_rowops *o, const double *x, int64_t n) { return o->rowmax_f64(x, n); }
 static inline float ops_expsub_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->expsub_sum_f32(x, n, m); }
 static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_sum_f64(x, n, m); }
+static inline float ops_expsub_masked_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->expsub_masked_f32(x, n, m); }
+static inline double ops_expsub_masked_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_masked_f64(x, n, m); }
+static inline void ops_mask_bool_f32(const fa_rowops *o, float *x, const unsigned char *m, int64_t n) { o->mask_bool_f32(x, m, n); }
+static inline void ops_mask_bool_f64(const fa_rowops *o, double *x, const unsigned char *m, int64_t n) { o->mask_bool_f64(x, m, n); }
 #define ops_small_qk_f32(o, ...) (o)->small_qk_f32(__VA_ARGS__)
 #define ops_small_qk_f64(o, ...) (o)->small_qk_f64(__VA_ARGS__)
 #define ops_small_pv_f32(o, ...) (o)->small_pv_f32(__VA_ARGS__)

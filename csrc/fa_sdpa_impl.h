@@ -31,13 +31,12 @@ static inline int64_t FN(batch_off)(const fa_sdpa_args *a, const int64_t *bs, in
 }
 
 /* Apply mask and causal limit to the tile row s[0..n) of query row gi, keys j0..j0+n. */
-static inline void FN(mask_row)(const fa_sdpa_args *a, const unsigned char *mb, const REAL *bb,
+static inline void FN(mask_row)(const fa_sdpa_args *a, const fa_rowops *ops,
+                                const unsigned char *mb, const REAL *bb,
                                 REAL *s, int64_t gi, int64_t j0, int64_t n)
 {
     if (mb) {
-        const unsigned char *mr = mb + gi * a->ldm + j0;
-        for (int64_t c = 0; c < n; c++)
-            s[c] = mr[c] ? s[c] : (REAL)(-INFINITY);
+        FN(ops_mask_bool)(ops, s, mb + gi * a->ldm + j0, n);
     } else if (bb) {
         const REAL *br = bb + gi * a->ldm + j0;
         for (int64_t c = 0; c < n; c++)
@@ -159,9 +158,11 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         REAL *lsum = W ? scratch : scratch + m * a->Lk;  /* softmax denominators */
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * lds;
-            FN(mask_row)(a, mb, bb, s, i0 + r, 0, kend);
+            FN(mask_row)(a, ops, mb, bb, s, i0 + r, 0, kend);
             REAL mx = FN(ops_rowmax)(ops, s, kend);
-            REAL l = FN(ops_expsub)(ops, s, kend, mx == (REAL)(-INFINITY) ? (REAL)0 : mx);
+            REAL mref = mx == (REAL)(-INFINITY) ? (REAL)0 : mx;
+            REAL l = (mb || bb || a->causal) ? FN(ops_expsub_masked)(ops, s, kend, mref)
+                                              : FN(ops_expsub)(ops, s, kend, mref);
             lsum[r] = l;
             if (W) {
                 FN(scale_row)(s, kend, l == (REAL)0 ? (REAL)0 : (REAL)1 / l);
@@ -200,6 +201,12 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
         if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
             continue;
+        if (mb && a->ldm == 0) {
+            /* one key mask for every query (padding): the tile ends at its
+             * last allowed key */
+            while (n > 0 && !mb[j0 + n - 1])
+                n--;
+        }
         if (Lim) {
             for (int64_t r0 = 0; r0 < m; r0 += FA_PACK_ROWS) {
                 int64_t last = r0 + FA_PACK_ROWS - 1 < m - 1 ? r0 + FA_PACK_ROWS - 1 : m - 1;
@@ -224,7 +231,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             }
             /* the causally forbidden columns become exact zeros after the
              * exponentials (not -inf before: exp's slow path) */
-            FN(mask_row)(a, mb, bb, s, i0 + r, j0, na);
+            FN(mask_row)(a, ops, mb, bb, s, i0 + r, j0, na);
             REAL tmax = FN(ops_rowmax)(ops, s, na);
             REAL mold = Mx[r];
             REAL mnew = tmax > mold ? tmax : mold;
@@ -234,7 +241,9 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
                 FN(scale_row)(O + r * a->ldo, dv, alpha);
             }
             Mx[r] = mnew;
-            Ls[r] += FN(ops_expsub)(ops, s, na, mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew);
+            REAL mref = mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew;
+            Ls[r] += (mb || bb) ? FN(ops_expsub_masked)(ops, s, na, mref)
+                                : FN(ops_expsub)(ops, s, na, mref);
             if (na < nu)
                 memset(s + na, 0, (size_t)(nu - na) * sizeof(REAL));
         }

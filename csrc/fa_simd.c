@@ -54,6 +54,18 @@ static double expsub_sum_f64_scalar(double *x, int64_t n, double m)
     return s;
 }
 
+static void mask_bool_f32_scalar(float *x, const unsigned char *m, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        x[j] = m[j] ? x[j] : -INFINITY;
+}
+
+static void mask_bool_f64_scalar(double *x, const unsigned char *m, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++)
+        x[j] = m[j] ? x[j] : -INFINITY;
+}
+
 static void exp_f32_scalar(const float *x, float *y, int64_t n)
 {
     for (int64_t j = 0; j < n; j++)
@@ -141,6 +153,8 @@ SCALAR_PACKED(double, f64)
 static const fa_rowops scalar_ops = {
     rowmax_f32_scalar, rowmax_f64_scalar,
     expsub_sum_f32_scalar, expsub_sum_f64_scalar,
+    expsub_sum_f32_scalar, expsub_sum_f64_scalar,
+    mask_bool_f32_scalar, mask_bool_f64_scalar,
     exp_f32_scalar, exp_f64_scalar,
     small_qk_f32_scalar, small_qk_f64_scalar,
     small_pv_f32_scalar, small_pv_f64_scalar,
@@ -376,6 +390,85 @@ AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
     return hsum4(acc);
 }
 
+/* Lanes with x - m below these give exactly 0 (exp < half the smallest
+ * subnormal): they are computed as exp(0) and cleared, so a masked -inf
+ * never sends a vector down exp's slow subnormal path. */
+#define FA_EXP_DEAD_F32 (-104.0f)
+#define FA_EXP_DEAD_F64 (-746.0)
+
+AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
+{
+    const __m256 vm = _mm256_set1_ps(m), dead = _mm256_set1_ps(FA_EXP_DEAD_F32);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
+        __m256 gone = _mm256_cmp_ps(v, dead, _CMP_LT_OQ);  /* NaN: kept, propagates */
+        __m256 e = _mm256_andnot_ps(gone, exp8_nonpos_f32(_mm256_andnot_ps(gone, v)));
+        _mm256_storeu_ps(x + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (j < n) {
+        __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + j, msk), vm);
+        __m256 gone = _mm256_or_ps(_mm256_cmp_ps(v, dead, _CMP_LT_OQ),
+                                   _mm256_castsi256_ps(_mm256_xor_si256(msk, _mm256_set1_epi32(-1))));
+        __m256 e = _mm256_andnot_ps(gone, exp8_nonpos_f32(_mm256_andnot_ps(gone, v)));
+        _mm256_maskstore_ps(x + j, msk, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum8(acc);
+}
+
+AVX2 static double expsub_masked_f64_avx2(double *x, int64_t n, double m)
+{
+    const __m256d vm = _mm256_set1_pd(m), dead = _mm256_set1_pd(FA_EXP_DEAD_F64);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j < n; j += 4) {
+        __m256i msk = _mm256_cmpgt_epi64(_mm256_set1_epi64x(n - j < 4 ? n - j : 4),
+                                         _mm256_setr_epi64x(0, 1, 2, 3));
+        __m256d v = _mm256_sub_pd(_mm256_maskload_pd(x + j, msk), vm);
+        __m256d gone = _mm256_or_pd(_mm256_cmp_pd(v, dead, _CMP_LT_OQ),
+                                    _mm256_castsi256_pd(_mm256_xor_si256(msk, _mm256_set1_epi64x(-1))));
+        __m256d e = _mm256_andnot_pd(gone, exp4_f64(_mm256_andnot_pd(gone, v)));
+        _mm256_maskstore_pd(x + j, msk, e);
+        acc = _mm256_add_pd(acc, e);
+    }
+    return hsum4(acc);
+}
+
+AVX2 static void mask_bool_f32_avx2(float *x, const unsigned char *m, int64_t n)
+{
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        long long bytes;
+        memcpy(&bytes, m + j, 8);
+        __m256i w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+        __m256 off = _mm256_castsi256_ps(_mm256_cmpeq_epi32(w, _mm256_setzero_si256()));
+        _mm256_storeu_ps(x + j, _mm256_blendv_ps(_mm256_loadu_ps(x + j), ninf, off));
+    }
+    for (; j < n; j++)
+        x[j] = m[j] ? x[j] : -INFINITY;
+}
+
+AVX2 static void mask_bool_f64_avx2(double *x, const unsigned char *m, int64_t n)
+{
+    const __m256d ninf = _mm256_set1_pd(-INFINITY);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        int bytes;
+        memcpy(&bytes, m + j, 4);
+        __m256i w = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes));
+        __m256d off = _mm256_castsi256_pd(_mm256_cmpeq_epi64(w, _mm256_setzero_si256()));
+        _mm256_storeu_pd(x + j, _mm256_blendv_pd(_mm256_loadu_pd(x + j), ninf, off));
+    }
+    for (; j < n; j++)
+        x[j] = m[j] ? x[j] : -INFINITY;
+}
+
 AVX2 static void exp_f32_avx2(const float *x, float *y, int64_t n)
 {
     int64_t j = 0;
@@ -562,6 +655,8 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
     expsub_sum_f32_avx2, expsub_sum_f64_avx2,
+    expsub_masked_f32_avx2, expsub_masked_f64_avx2,
+    mask_bool_f32_avx2, mask_bool_f64_avx2,
     exp_f32_avx2, exp_f64_avx2,
     small_qk_f32, small_qk_f64,
     small_pv_f32, small_pv_f64,
@@ -612,3 +707,5 @@ void fa_exp_f32(const float *x, float *y, int64_t n) { fa_get_rowops()->exp_f32(
 void fa_exp_f64(const double *x, double *y, int64_t n) { fa_get_rowops()->exp_f64(x, y, n); }
 float fa_expsub_sum_f32(float *x, int64_t n, float m) { return fa_get_rowops()->expsub_sum_f32(x, n, m); }
 double fa_expsub_sum_f64(double *x, int64_t n, double m) { return fa_get_rowops()->expsub_sum_f64(x, n, m); }
+float fa_expsub_masked_f32(float *x, int64_t n, float m) { return fa_get_rowops()->expsub_masked_f32(x, n, m); }
+double fa_expsub_masked_f64(double *x, int64_t n, double m) { return fa_get_rowops()->expsub_masked_f64(x, n, m); }

@@ -102,6 +102,9 @@ void fa_exp_f64(const double *x, double *y, int64_t n);
 /* x[j] = exp(x[j] - m) in place for x[j] <= m (softmax rows), returns the sum. */
 float fa_expsub_sum_f32(float *x, int64_t n, float m);
 double fa_expsub_sum_f64(double *x, int64_t n, double m);
+/* The same for rows with masked (-inf) entries (the kernels use it when a mask is given). */
+float fa_expsub_masked_f32(float *x, int64_t n, float m);
+double fa_expsub_masked_f64(double *x, int64_t n, double m);
 
 /* SIMD dispatch: 1 when the AVX2/FMA code paths are in use. */
 int fa_simd_active(void);

@@ -56,6 +56,8 @@ cdef extern from "fastattn.h" nogil:
     void fa_exp_f64(const double *x, double *y, int64_t n)
     float fa_expsub_sum_f32(float *x, int64_t n, float m)
     double fa_expsub_sum_f64(double *x, int64_t n, double m)
+    float fa_expsub_masked_f32(float *x, int64_t n, float m)
+    double fa_expsub_masked_f64(double *x, int64_t n, double m)
     int fa_simd_active()
     int fa_pool_workers()
     int64_t fa_pool_last_helped()
@@ -219,16 +221,23 @@ def exp(cnp.ndarray x, cnp.ndarray y):
             fa_exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)
 
 
-def expsub(cnp.ndarray x, double m):
-    """x = exp(x - m) in place (x <= m: a softmax row); returns the sum.  x contiguous."""
+def expsub(cnp.ndarray x, double m, bint masked=False):
+    """x = exp(x - m) in place (x <= m: a softmax row); returns the sum.  x contiguous.
+    masked: the variant for rows with masked (-inf) entries."""
     cdef int64_t n = cnp.PyArray_SIZE(x)
     cdef double r
     if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
         with nogil:
-            r = fa_expsub_sum_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
+            if masked:
+                r = fa_expsub_masked_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
+            else:
+                r = fa_expsub_sum_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
     else:
         with nogil:
-            r = fa_expsub_sum_f64(<double *>cnp.PyArray_DATA(x), n, m)
+            if masked:
+                r = fa_expsub_masked_f64(<double *>cnp.PyArray_DATA(x), n, m)
+            else:
+                r = fa_expsub_sum_f64(<double *>cnp.PyArray_DATA(x), n, m)
     return r
 
 

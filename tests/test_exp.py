@@ -218,9 +218,10 @@ def test_simd_and_scalar_both_exercised():
     assert not np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 @pytest.mark.parametrize("m", [0.0, 3.25, -17.5, 60.0])
 @pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f64"])
-def test_expsub_softmax_rows(simd_mode, dtype, m, rng):
+def test_expsub_softmax_rows(simd_mode, dtype, m, masked, rng):
     """The softmax row operation (its exp assumes x - m <= 0): exp(x - m) in place
     within the same ulp bound, exact 0 for -inf, NaN kept, the sum returned."""
     lo, hi = SOFTMAX_RANGE[dtype]
@@ -228,17 +229,29 @@ def test_expsub_softmax_rows(simd_mode, dtype, m, rng):
     x = x[x <= dtype(m)]
     diff = x - dtype(m)            # what the kernel exponentiates, rounded as it is
     y = x.copy()
-    total = _kernels.expsub(y, m)
+    total = _kernels.expsub(y, m, masked)
     worst, at = refined_max_error(y, diff, dtype, MAX_ULP[dtype])
     assert worst <= MAX_ULP[dtype], f"max error {worst:.5f} ulp at x-m={at!r}"
     # the sum, over a row of a realistic length (the accumulation is plain summation)
     part = rng.choice(x, 4096)
     ref_sum = float(np.sum(exact_exp(part - dtype(m)), dtype=np.longdouble))
-    got_sum = _kernels.expsub(part, m)
+    got_sum = _kernels.expsub(part, m, masked)
     rel = 1e-5 if dtype == np.float32 else 1e-13
     assert abs(got_sum - ref_sum) <= rel * ref_sum, (got_sum, ref_sum)
     assert total > 0
     row = np.array([m, -np.inf, m - 1, np.nan, -np.inf, m - 200, m - 2, m - 3, m - 4], dtype)
-    total = _kernels.expsub(row, m)
+    total = _kernels.expsub(row, m, masked)
     assert row[0] == 1.0 and row[1] == 0.0 and row[4] == 0.0 and np.isnan(row[3])
     assert np.isnan(total)
+    # every length of masked and unmasked lanes, -inf anywhere (vector tails too)
+    for n in range(1, 20):
+        live = rng.random(n) < 0.6
+        live[0] = True
+        xs = np.where(live, rng.uniform(-30, 0, n) + m, -np.inf).astype(dtype)
+        xs[0] = dtype(m)
+        ref = np.exp((xs - dtype(m)).astype(np.float64))  # the difference rounded as in the kernel
+        ys = xs.copy()
+        tot = _kernels.expsub(ys, m, masked)
+        assert np.all(ys[~live] == 0) and np.all(ys[live] > 0)
+        np.testing.assert_allclose(ys, ref, rtol=4 * np.finfo(dtype).eps, atol=0)
+        assert np.isclose(tot, ref.sum(), rtol=8 * np.finfo(dtype).eps)

@@ -55,3 +55,24 @@ def test_packed_products_awkward_sizes(simd_mode, small_tiles, rng, dtype, bk, s
         got = fastattn.scaled_dot_product_attention(q, k, v, m, causal, causal_alignment=align)
         ref = oracle(q, k, v, m, causal, causal_alignment=align)
         assert_close(got, ref, dtype, err_msg=f"causal={causal} mask={m is not None} {align}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bk", [8, 16, 256])
+def test_padding_masks_trim_tiles(simd_mode, small_tiles, rng, dtype, bk):
+    """A key mask shared by every query (padding, (B, 1, Lk)) ends each tile at
+    its last allowed key; trailing runs that end inside a tile, on a tile
+    boundary, span tiles, or cover everything."""
+    small_tiles(bk)
+    Lq, Lk, d = 13, 40, 9
+    q = randn(rng, (4, Lq, d), dtype)
+    k = randn(rng, (4, Lk, d), dtype)
+    v = randn(rng, (4, Lk, 5), dtype)
+    lengths = [40, 33, 16, 0]
+    pad = np.arange(Lk)[None, None, :] < np.array(lengths)[:, None, None]
+    pad[1, 0, 5] = False  # a hole before the tail too
+    for causal in (False, True):
+        got = fastattn.scaled_dot_product_attention(q, k, v, pad, causal)
+        ref = oracle(q, k, v, pad, causal)
+        assert_close(got, ref, dtype)
+        assert np.all(got[3] == 0)  # no key at all: zeros
