@@ -35,6 +35,14 @@ extensions = [
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
     ),
+    Extension(
+        "fastattn._scores",
+        sources=["fastattn/_scores.pyx", "csrc/fa_additive.c", "csrc/fa_pool.c", "csrc/fa_simd.c"],
+        include_dirs=["csrc", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES))
