@@ -11,6 +11,18 @@ import os
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py as _build_py
+
+
+class build_py(_build_py):
+    """Also ship csrc/fastattn_plugin.h (the compiled-plugin ABI) as
+    fastattn/include/fastattn_plugin.h, for fastattn.get_include()."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "fastattn", "include")
+        self.mkpath(dest)
+        self.copy_file(os.path.join("csrc", "fastattn_plugin.h"), dest)
 
 CYTHON_DIRECTIVES = {
     "language_level": 3,
@@ -45,4 +57,7 @@ extensions = [
     ),
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES))
+setup(
+    ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES),
+    cmdclass={"build_py": build_py},
+)

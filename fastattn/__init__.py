@@ -29,6 +29,16 @@ if _os.environ.get("FASTATTN_DISABLE_SIMD", "").strip() not in ("", "0"):
     _kernels.set_simd_disabled(True)
 
 
+def get_include() -> str:
+    """Directory holding ``fastattn_plugin.h``, the C ABI of compiled similarity
+    plugins (add it to your extension's ``include_dirs``)."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    for d in (_os.path.join(here, "include"), _os.path.join(_os.path.dirname(here), "csrc")):
+        if _os.path.exists(_os.path.join(d, "fastattn_plugin.h")):
+            return d
+    raise FileNotFoundError("fastattn_plugin.h is not installed with this fastattn")
+
+
 def simd_active() -> bool:
     """True when the AVX2/FMA kernels are in use (CPU support and not disabled)."""
     return _kernels.simd_active()
@@ -49,5 +59,6 @@ __all__ = [
     "set_num_threads",
     "threads",
     "simd_active",
+    "get_include",
     "__version__",
 ]

@@ -155,3 +155,9 @@ def score_neg_sq_dist(q, k, gamma=1.0):
     q, k = _f64(q, k)
     diff = q[..., :, None, :] - k[..., None, :, :]
     return -gamma * np.sum(diff * diff, axis=-1)
+
+
+def score_neg_l1(q, k, gamma=1.0):
+    """-gamma * sum_c |q_ic - k_jc| (the example plugin package's score)."""
+    q, k = _f64(q, k)
+    return -gamma * np.sum(np.abs(q[..., :, None, :] - k[..., None, :, :]), axis=-1)

@@ -8,22 +8,14 @@ cimport numpy as cnp
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 from libc.stdint cimport int64_t, uintptr_t
 
+from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
+                              fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
+
 cnp.import_array()
 
 cdef extern from "fa_additive.h" nogil:
     int FA_OK, FA_ENOMEM, FA_EINVAL, FA_ESCORE, FA_ENONFINITE
     int FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD
-    int FASTATTN_PLUGIN_ABI_VERSION
-    const char *FASTATTN_PLUGIN_CAPSULE_NAME
-    ctypedef int (*fastattn_score_f32)(const void *, const float *, int64_t, const float *,
-                                       int64_t, int64_t, int64_t, int64_t, float *, int64_t)
-    ctypedef int (*fastattn_score_f64)(const void *, const double *, int64_t, const double *,
-                                       int64_t, int64_t, int64_t, int64_t, double *, int64_t)
-    ctypedef struct fastattn_score_plugin:
-        int abi_version
-        const char *name
-        fastattn_score_f32 score_f32
-        fastattn_score_f64 score_f64
     ctypedef struct fa_tiled_args:
         int nbatch
         const int64_t *batch_shape
