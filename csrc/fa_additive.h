@@ -15,7 +15,8 @@
  * max grows), O += P V.  Tiles above the causal diagonal and tiles a boolean
  * mask forbids entirely are skipped.  Extra memory: n_threads x
  * (block_q x block_k + 2 block_q) elements, unless weights are wanted (then
- * the scores go straight into the weights).
+ * the scores go straight into the weights), from a grow-only buffer per calling
+ * thread.
  */
 #ifndef FA_ADDITIVE_H
 #define FA_ADDITIVE_H
