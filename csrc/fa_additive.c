@@ -338,6 +338,69 @@ static const fastattn_score_plugin selftest_plugin = {
 
 const fastattn_score_plugin *fa_selftest_plugin(void) { return &selftest_plugin; }
 
+/* ---------------------------------------------------------- projections */
+
+static fa_sgemm_fn g_add_sgemm = NULL;
+static fa_dgemm_fn g_add_dgemm = NULL;
+static fa_blas_set_threads_fn g_add_threads = NULL;   /* atomic */
+
+void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads)
+{
+    g_add_sgemm = sgemm;
+    g_add_dgemm = dgemm;
+    __atomic_store_n(&g_add_threads, set_threads, __ATOMIC_RELEASE);
+}
+
+#define FA_PROJ_ROWS 128
+
+#define PROJ_DEFS(T, SFX, GEMM)                                                          \
+    typedef struct {                                                                     \
+        const T *X, *W, *b;                                                              \
+        T *Y;                                                                            \
+        int64_t ldx, ldw, ldy, n, d, da;                                                 \
+        fa_blas_set_threads_fn hook;                                                     \
+    } proj_job_##SFX;                                                                    \
+    static void proj_task_##SFX(void *ctx, int64_t t, int slot)                          \
+    {                                                                                    \
+        (void)slot;                                                                      \
+        proj_job_##SFX *j = (proj_job_##SFX *)ctx;                                       \
+        int64_t r0 = t * FA_PROJ_ROWS;                                                   \
+        int64_t rows = j->n - r0 < FA_PROJ_ROWS ? j->n - r0 : FA_PROJ_ROWS;              \
+        /* row-major Y = X W^T is column-major Y^T = W . X^T: gemm('T', 'N') */           \
+        char ta = 'T', tb = 'N';                                                         \
+        int m = (int)j->da, nn = (int)rows, k = (int)j->d;                               \
+        int lda = (int)j->ldw, ldb = (int)j->ldx, ldc = (int)j->ldy;                     \
+        T one = 1, zero = 0;                                                             \
+        int prev = j->hook ? j->hook(1) : 0;                                             \
+        GEMM(&ta, &tb, &m, &nn, &k, &one, (T *)j->W, &lda, (T *)(j->X + r0 * j->ldx),    \
+             &ldb, &zero, j->Y + r0 * j->ldy, &ldc);                                     \
+        if (j->hook && prev > 0)                                                         \
+            j->hook(prev);                                                               \
+        if (j->b)                                                                        \
+            for (int64_t r = 0; r < rows; r++) {                                         \
+                T *y = j->Y + (r0 + r) * j->ldy;                                         \
+                for (int64_t c = 0; c < j->da; c++)                                      \
+                    y[c] += j->b[c];                                                     \
+            }                                                                            \
+    }                                                                                    \
+    int fa_project_##SFX(const T *X, int64_t ldx, int64_t n, int64_t d, const T *W,      \
+                         int64_t ldw, int64_t da, const T *b, T *Y, int64_t ldy,         \
+                         int n_threads)                                                  \
+    {                                                                                    \
+        if (!GEMM || d < 1 || da < 1 || n_threads < 1)                                   \
+            return FA_EINVAL;                                                            \
+        if (n <= 0)                                                                      \
+            return FA_OK;                                                                \
+        proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da,                         \
+                            __atomic_load_n(&g_add_threads, __ATOMIC_ACQUIRE)};          \
+        int64_t ntasks = (n + FA_PROJ_ROWS - 1) / FA_PROJ_ROWS;                          \
+        fa_pool_run(ntasks, n_threads, proj_task_##SFX, &j, NULL, NULL);                 \
+        return FA_OK;                                                                    \
+    }
+
+PROJ_DEFS(float, f32, g_add_sgemm)
+PROJ_DEFS(double, f64, g_add_dgemm)
+
 /* --------------------------------------------------------- instantiations */
 
 static inline float ops_rowmax_f32(const fa_rowops *o, const float *x, int64_t n) { return o->rowmax_f32(x, n); }

@@ -62,6 +62,21 @@ int fa_additive_score_f64(const void *params, const double *q, int64_t ldq, cons
                           int64_t ldk, int64_t tq, int64_t tk, int64_t d, double *s,
                           int64_t lds);
 
+/* BLAS for the projections: Fortran-ABI gemm from scipy.linalg.cython_blas and
+ * an optional hook that sets the BLAS thread count of the calling thread and
+ * returns the previous one (OpenBLAS's openblas_set_num_threads_local). */
+void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads);
+
+/* Y (n x da, row stride ldy) = X (n x d, ldx) . W (da x d, ldw)^T (+ b[da] on
+ * every row if b != NULL): blocks of rows are tasks on fastattn's pool, each
+ * one gemm with BLAS held at one thread (a multi-threaded BLAS stalls when
+ * another process holds a core).  d >= 1, da >= 1.  Returns FA_OK, or
+ * FA_EINVAL when no gemm was installed. */
+int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const float *W,
+                   int64_t ldw, int64_t da, const float *b, float *Y, int64_t ldy, int n_threads);
+int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
+                   int64_t ldw, int64_t da, const double *b, double *Y, int64_t ldy, int n_threads);
+
 /* The tanh used by the additive kernels, over an array (in place allowed). */
 void fa_tanh_f32(const float *x, float *y, int64_t n);
 void fa_tanh_f64(const double *x, double *y, int64_t n);

@@ -107,7 +107,7 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
 def _path(c) -> str:
     if isinstance(c.sim, CompiledSimilarity):
         return "fused"
-    if c.lowered is not None and c.lowered[0] == "sdpa":
+    if c.lowered is not None and c.lowered[0] in ("sdpa", "project_sdpa"):
         return "sdpa"
     if c.lowered is not None and c.lowered[0] == "additive" and _scores is not None:
         return "fused"
@@ -179,8 +179,15 @@ def _finish(p, res, weights):
 
 
 def _run_sdpa(c):
-    _, q2, k2, scale = c.lowered
+    kind, q2, k2, scale = c.lowered
     p = c.p
+    if kind == "project_sdpa":  # q2 is the matrix M of q2 := q M^T
+        M = q2
+        if _scores is not None:
+            _ensure_blas_hook()
+            q2 = _project(c.q, M, None, p.cdt, p.n_threads, pad=False)
+        else:  # pragma: no cover
+            q2 = np.matmul(c.q, M.T)
     direct = p.out is not None and p.rdt == p.cdt
     r = _functional.scaled_dot_product_attention(
         q2, k2, p.v, c.attn_mask, p.causal, scale, return_weights=p.want_weights,
@@ -312,17 +319,51 @@ def _pad(n):
     return -(-max(n, 1) // PAD) * PAD
 
 
-def _project(x, w, b, cdt):
-    """x (..., L, d) @ w.T (+ b) into a zero-padded (..., L, pad(d_a)) buffer."""
+_hook_done = False
+
+
+def _ensure_blas_hook():
+    """Give the projections the hook that holds SciPy's OpenBLAS at one thread
+    per task (the one fastattn._threads found for the SDPA kernel)."""
+    global _hook_done
+    if _hook_done:
+        return
+    import ctypes
+
+    _threads.ensure_blas_hook()
+    path = _threads._blas_hook_library
+    if path is not None:
+        try:
+            lib = ctypes.CDLL(path)
+            for sym in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
+                fn = getattr(lib, sym, None)
+                if fn is not None:
+                    _scores.set_blas_threads_hook(ctypes.cast(fn, ctypes.c_void_p).value)
+                    break
+        except OSError:  # pragma: no cover - the library was found a moment ago
+            pass
+    _hook_done = True
+
+
+def _project(x, w, b, cdt, n_threads, pad=True):
+    """x (..., L, d) @ w.T (+ b) into a (..., L, pad(d_a)) buffer (zero padding
+    columns), by SciPy's gemm on fastattn's threads (BLAS held at one thread
+    each: NumPy's multi-threaded matmul was 0.5-32 ms instead of 0.3 ms for
+    1024 x 64 x 64 while another process held a core)."""
     d_a = w.shape[0]
-    dp = _pad(d_a)
-    buf = np.zeros(x.shape[:-1] + (dp,), dtype=cdt)
-    if x.shape[-1] and x.size:
-        if x.flags.c_contiguous:
-            np.matmul(x.reshape(-1, x.shape[-1]), w.T, out=buf.reshape(-1, dp)[:, :d_a])
-        else:
-            np.matmul(x, w.T, out=buf[..., :d_a])
-    if b is not None:
+    dp = _pad(d_a) if pad else d_a
+    buf = (np.zeros if dp != d_a or x.shape[-1] == 0 else np.empty)(x.shape[:-1] + (dp,), dtype=cdt)
+    d = x.shape[-1]
+    if d and x.size and d_a:
+        x2 = np.ascontiguousarray(x).reshape(-1, d)  # no copy for C-contiguous x
+        if w.shape[0] > 1 and w.strides[-1] != w.itemsize:
+            w = np.ascontiguousarray(w)
+        nt = n_threads if x2.shape[0] * d * d_a >= PARALLEL_MIN_WORK else 1
+        rc = _scores.project(x2, w, None if b is None else np.ascontiguousarray(b),
+                             buf.reshape(-1, dp), nt)
+        if rc:
+            raise RuntimeError(f"fastattn: projection kernel rejected its arguments (status {rc})")
+    elif b is not None:
         buf[..., :d_a] += b
     return buf
 
@@ -362,8 +403,9 @@ def _run_fused(c, res, weights):
             kx = np.zeros(c.k.shape[:-1] + (1,), cdt)
     else:
         _, wq, wk, b, vvec = c.lowered
-        qx = _project(c.q, wq, b, cdt)
-        kx = _project(c.k, wk, None, cdt)
+        _ensure_blas_hook()
+        qx = _project(c.q, wq, b, cdt, nt)
+        kx = _project(c.k, wk, None, cdt, nt)
         packed = np.zeros(qx.shape[-1], dtype=cdt)
         packed[:vvec.shape[0]] = vvec
         fn, kind = 0, _scores.SCORE_ADDITIVE

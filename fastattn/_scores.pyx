@@ -7,6 +7,7 @@ checks: ``fastattn._attention`` validates every argument before it calls here.
 cimport numpy as cnp
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 from libc.stdint cimport int64_t, uintptr_t
+from scipy.linalg.cython_blas cimport dgemm, sgemm
 
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
                               fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
@@ -43,6 +44,16 @@ cdef extern from "fa_additive.h" nogil:
         const void *score_params
         int check_scores
         int score_status
+    ctypedef void (*fa_sgemm_fn)(char*, char*, int*, int*, int*, float*, float*, int*,
+                                 float*, int*, float*, float*, int*)
+    ctypedef void (*fa_dgemm_fn)(char*, char*, int*, int*, int*, double*, double*, int*,
+                                 double*, int*, double*, double*, int*)
+    ctypedef int (*fa_blas_set_threads_fn)(int)
+    void fa_add_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
+    int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const float *W,
+                       int64_t ldw, int64_t da, const float *b, float *Y, int64_t ldy, int n_threads)
+    int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
+                       int64_t ldw, int64_t da, const double *b, double *Y, int64_t ldy, int n_threads)
     int fa_tiled_attention_f32(fa_tiled_args *a)
     int fa_tiled_attention_f64(fa_tiled_args *a)
     int fa_additive_score_f32(const void *, const float *, int64_t, const float *, int64_t,
@@ -62,6 +73,42 @@ globals()["FA_ESCORE"] = FA_ESCORE
 globals()["FA_ENONFINITE"] = FA_ENONFINITE
 PLUGIN_ABI_VERSION = FASTATTN_PLUGIN_ABI_VERSION
 PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
+
+
+fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+
+def set_blas_threads_hook(uintptr_t address):
+    """Install ``int f(int)`` (set this thread's BLAS threads, return the previous count); 0 removes it."""
+    fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, <fa_blas_set_threads_fn>address)
+
+
+def project(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads):
+    """y[:, :da] = x @ w.T (+ b).  x (n, d) and y (n, >= da) with contiguous rows,
+    w (da, d) with a contiguous last axis (any row stride), b (da,) contiguous or None;
+    one float dtype; d, da >= 1.  Returns the C status."""
+    cdef int64_t n = cnp.PyArray_DIMS(x)[0]
+    cdef int64_t d = cnp.PyArray_DIMS(x)[1]
+    cdef int64_t da = cnp.PyArray_DIMS(w)[0]
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
+    cdef int64_t ldx = cnp.PyArray_STRIDES(x)[0] // item if n > 1 else d
+    cdef int64_t ldw = cnp.PyArray_STRIDES(w)[0] // item if da > 1 else d
+    cdef int64_t ldy = cnp.PyArray_STRIDES(y)[0] // item if n > 1 else cnp.PyArray_DIMS(y)[1]
+    cdef const void *bp = NULL
+    cdef int rc
+    if b is not None:
+        bp = cnp.PyArray_DATA(<cnp.ndarray>b)
+    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        with nogil:
+            rc = fa_project_f32(<const float *>cnp.PyArray_DATA(x), ldx, n, d,
+                                <const float *>cnp.PyArray_DATA(w), ldw, da, <const float *>bp,
+                                <float *>cnp.PyArray_DATA(y), ldy, n_threads)
+    else:
+        with nogil:
+            rc = fa_project_f64(<const double *>cnp.PyArray_DATA(x), ldx, n, d,
+                                <const double *>cnp.PyArray_DATA(w), ldw, da, <const double *>bp,
+                                <double *>cnp.PyArray_DATA(y), ldy, n_threads)
+    return rc
 
 
 def sync_simd(bint active):

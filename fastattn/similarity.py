@@ -180,7 +180,7 @@ class Similarity:
                     raise ValueError(
                         f"params[{pname!r}]: expected shape {self._sym(ps.shape)} = {exp} for "
                         f"{where} (d_q={d_q}, d_k={d_k}), got {a.shape}")
-            a = np.array(a, dtype=dtype, copy=True)
+            a = np.array(a, dtype=dtype, copy=True, order="C")
             if not np.all(np.isfinite(a)):
                 raise ValueError(f"params[{pname!r}]: contains NaN or infinite values")
             a.flags.writeable = False
@@ -259,7 +259,8 @@ class Similarity:
     # ------------------------------------------- how attention() runs it
     def _lower(self, query, key, params):
         """Optional: a fast path.  Returns ``("sdpa", q2, k2, scale)`` (scores =
-        scale * q2 . k2, run by the dot kernel), ``("additive", W_q, W_k, b,
+        scale * q2 . k2, run by the dot kernel), ``("project_sdpa", M, k, scale)``
+        (the same with q2 = q M^T, projected by fastattn), ``("additive", W_q, W_k, b,
         v)`` (the fused C additive kernel) or None (tiled NumPy path)."""
         return None
 
@@ -345,8 +346,9 @@ class GeneralSimilarity(Similarity):
         return np.matmul(qw, np.swapaxes(key, -1, -2)) * params["scale"]
 
     def _lower(self, query, key, params):
-        # q^T W k = (q W) . k: project the queries once, then the dot kernel
-        return ("sdpa", np.matmul(query, params["W"]), key, float(params["scale"]))
+        # q^T W k = (q W) . k: project the queries once (q W = q (W^T)^T, by
+        # fastattn's single-thread-per-task gemm), then the dot kernel
+        return ("project_sdpa", np.ascontiguousarray(params["W"].T), key, float(params["scale"]))
 
 
 class AdditiveSimilarity(Similarity):
