@@ -155,7 +155,9 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
         return _run_sdpa(c)
     p = c.p
     out_shape = p.batch + (p.Lq, p.dv)
-    res = np.empty(out_shape, dtype=p.cdt)
+    res = _direct_out(c) if path == "fused" else None
+    if res is None:
+        res = np.empty(out_shape, dtype=p.cdt)
     weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
     if res.size or (weights is not None and weights.size):
         if path == "fused":
@@ -165,9 +167,25 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
     return _finish(p, res, weights)
 
 
+def _direct_out(c):
+    """The user's ``out`` itself when the fused kernel can write into it: the
+    compute dtype, rows addressable by the kernel, no overlap with an input."""
+    p = c.p
+    out = p.out
+    if out is None or out.dtype != p.cdt or not out.flags.aligned or p.dv == 0:
+        return None
+    if canonical_matrix_stack(out, p.cdt) is not out:
+        return None
+    for a in (c.q, c.k, p.v, p.mask):
+        if a is not None and np.may_share_memory(out, a):
+            return None
+    return out
+
+
 def _finish(p, res, weights):
     if p.out is not None:
-        np.copyto(p.out, res, casting="unsafe")
+        if res is not p.out:
+            np.copyto(p.out, res, casting="unsafe")
         res = p.out
     elif p.rdt != p.cdt:
         res = res.astype(p.rdt)

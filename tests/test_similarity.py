@@ -262,3 +262,36 @@ def test_layouts_no_copy_needed(rng):
         got = fastattn.attention(make_layout(q, layout), make_layout(k, layout),
                                  make_layout(v, layout), sim, params=params)
         assert_close(got, ref, np.float64, err_msg=layout)
+
+
+@pytest.mark.parametrize("sim_name", ["additive", "concat", "numpy_plugin", "compiled_plugin", "general"])
+def test_out_written_directly_and_overlap(sim_name, rng):
+    """out= in the compute dtype is written in place (no temporary needed);
+    an out that overlaps the value input still gives the right result."""
+    d_q, d_k = _dims(sim_name)
+    q, k = randn(rng, (2, 5, d_q)), randn(rng, (2, 8, d_k))
+    sim, params, ref_score, _ = make_case(sim_name, np.float64, d_q, d_k, rng)
+    big = np.full((2, 8, 3), np.nan)
+    v = big  # out will be a view of the value buffer: overlaps
+    v[...] = randn(rng, (2, 8, 3))
+    ref = R.attention(q, k, v.copy(), ref_score)
+    out = big[:, :5, :]
+    r = fastattn.attention(q, k, v, sim, params=params, out=out)
+    assert r is out
+    assert_close(out, ref, np.float64)
+    padded = np.full((2, 5, 7), np.nan)[..., 2:5]  # rows with a stride: still direct
+    r = fastattn.attention(q, k, randn(rng, (2, 8, 3)), sim, params=params, out=padded)
+    assert r is padded and np.all(np.isfinite(padded))
+
+
+@pytest.mark.parametrize("sim_name", ["additive", "concat", "cosine", "general", "numpy_plugin", "compiled_plugin"])
+def test_key_permutation_invariance(sim_name, rng):
+    """Permuting keys together with their values (and the mask) changes nothing."""
+    d_q, d_k = _dims(sim_name)
+    q, k, v = randn(rng, (2, 9, d_q)), randn(rng, (2, 333, d_k)), randn(rng, (2, 333, 4))
+    mask = rng.random((9, 333)) < 0.5
+    sim, params, _, _ = make_case(sim_name, np.float64, d_q, d_k, rng)
+    perm = rng.permutation(333)
+    a = fastattn.attention(q, k, v, sim, params=params, attn_mask=mask)
+    b = fastattn.attention(q, k[:, perm], v[:, perm], sim, params=params, attn_mask=mask[:, perm])
+    assert_close(b, a, np.float64)
