@@ -199,14 +199,25 @@ def _load_entry_points() -> None:
         seen = set()
         for ep in eps:
             where = f"entry point {ep.name!r} = {ep.value!r}"
-            if ep.name in seen or ep.name in _store:
+            if ep.name in seen or ep.name in _builtin_names:
                 warnings.warn(
                     f"fastattn: ignoring {where}: a similarity named {ep.name!r} is already "
                     "registered", FastattnPluginWarning, stacklevel=3)
                 continue
             seen.add(ep.name)
             try:
-                _register(ep.load(), ep.name, False)
+                obj = ep.load()
+                have = _store.get(ep.name)
+                if have is not None:
+                    # the plugin's module registered itself when imported: fine
+                    if have is obj or (isinstance(obj, type) and type(have) is obj):
+                        continue
+                    warnings.warn(
+                        f"fastattn: ignoring {where}: a similarity named {ep.name!r} is "
+                        f"already registered ({type(have).__qualname__})",
+                        FastattnPluginWarning, stacklevel=3)
+                    continue
+                _register(obj, ep.name, False)
             except Exception as exc:
                 warnings.warn(f"fastattn: could not load similarity plugin from {where}: "
                               f"{type(exc).__name__}: {exc}", FastattnPluginWarning, stacklevel=3)

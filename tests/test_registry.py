@@ -194,9 +194,15 @@ class _EP:
 def test_entry_points_lazy_broken_and_duplicate(monkeypatch):
     calls = []
 
+    class Other(Dist):
+        pass
+
+    fastattn.register_similarity(Other(), name="ep_other")  # a different similarity: clash
+    fastattn.register_similarity(Dist, name="ep_self")     # as if the module self-registered
+
     def fake_entry_points(group):
         calls.append(group)
-        return [_EP("ep_good", Dist), _EP("ep_broken", exc=ImportError("no module named boom")),
+        return [_EP("ep_self", Dist), _EP("ep_other", Dist), _EP("ep_good", Dist), _EP("ep_broken", exc=ImportError("no module named boom")),
                 _EP("ep_good", Dist), _EP("dot", Dist), _EP("ep_notsim", obj=42)]
 
     import importlib.metadata
@@ -215,6 +221,9 @@ def test_entry_points_lazy_broken_and_duplicate(monkeypatch):
     assert sum("ignoring entry point 'ep_good'" in m and "already registered" in m for m in msgs) == 1
     assert any("ignoring entry point 'dot'" in m for m in msgs)
     assert any("entry point 'ep_notsim'" in m and "got int" in m for m in msgs)
+    assert not any("ep_self" in m for m in msgs)          # self-registered: silent
+    assert any("ignoring entry point 'ep_other'" in m and "already registered" in m and "Other" in m
+               for m in msgs)
     assert fastattn.get_similarity("dot").name == "dot"   # the built-in survived
     fastattn.available_similarities()
     assert calls == ["fastattn.similarities"]   # loaded once
