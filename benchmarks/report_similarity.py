@@ -23,7 +23,7 @@ def main(argv=None):
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         med = b["stats"]["median"]
-        if info.get("kind") == "similarity_peer":
+        if info.get("kind") == "similarity_peer" or "case" in info:
             r = rows.setdefault(tuple(info["case"]), {})
             r[info["impl"]] = med
             if info["impl"] == "fastattn":

@@ -93,7 +93,7 @@ def test_additive(benchmark, case, impl):
     if impl == "fastattn":
         result = benchmark_similarity(benchmark, "additive", batch=case.B, Lq=case.T, d=case.d,
                                       d_a=case.d_a, params=P, seed=0, n_threads=N_THREADS)
-        benchmark.extra_info["impl"] = "fastattn"
+        benchmark.extra_info.update(kind="similarity_peer", impl="fastattn")
         err = rel_err(result, ref)
         benchmark.extra_info["rel_err"] = err
         assert err <= TARGET_RTOL, err

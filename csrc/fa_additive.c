@@ -470,11 +470,57 @@ static fa_sgemm_fn g_add_sgemm = NULL;
 static fa_dgemm_fn g_add_dgemm = NULL;
 static fa_blas_set_threads_fn g_add_threads = NULL;   /* atomic */
 
+static void add_blas_atfork_child(void);
+
 void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads)
 {
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, add_blas_atfork_child);
+        atfork = 1;
+    }
     g_add_sgemm = sgemm;
     g_add_dgemm = dgemm;
     __atomic_store_n(&g_add_threads, set_threads, __ATOMIC_RELEASE);
+}
+
+/* BLAS is held at one thread while our tasks call it.  The hook OpenBLAS
+ * offers (openblas_set_num_threads_local) acts process-wide in the pthreads
+ * builds SciPy ships (measured), so calls that overlap (an app's threads)
+ * share one count: the first one in saves the setting, the last one out
+ * restores it; each call leaves through the hook it entered with.
+ * (fastattn._kernels keeps its own count for its calls; merging the two is
+ * left for when both extensions share one BLAS helper.) */
+static pthread_mutex_t g_add_blas_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_add_blas_users = 0;
+static int g_add_blas_saved = -1;
+
+static fa_blas_set_threads_fn add_blas_enter(void)
+{
+    fa_blas_set_threads_fn hook = __atomic_load_n(&g_add_threads, __ATOMIC_ACQUIRE);
+    if (!hook)
+        return NULL;
+    pthread_mutex_lock(&g_add_blas_lock);
+    if (g_add_blas_users++ == 0)
+        g_add_blas_saved = hook(1);
+    pthread_mutex_unlock(&g_add_blas_lock);
+    return hook;
+}
+
+static void add_blas_exit(fa_blas_set_threads_fn hook)
+{
+    if (!hook)
+        return;
+    pthread_mutex_lock(&g_add_blas_lock);
+    if (--g_add_blas_users == 0 && g_add_blas_saved > 0)
+        hook(g_add_blas_saved);
+    pthread_mutex_unlock(&g_add_blas_lock);
+}
+
+static void add_blas_atfork_child(void)
+{
+    pthread_mutex_init(&g_add_blas_lock, NULL);
+    g_add_blas_users = 0;
 }
 
 #define FA_PROJ_ROWS 128
@@ -484,7 +530,6 @@ void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_f
         const T *X, *W, *b;                                                              \
         T *Y;                                                                            \
         int64_t ldx, ldw, ldy, n, d, da;                                                 \
-        fa_blas_set_threads_fn hook;                                                     \
     } proj_job_##SFX;                                                                    \
     static void proj_task_##SFX(void *ctx, int64_t t, int slot)                          \
     {                                                                                    \
@@ -497,11 +542,8 @@ void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_f
         int m = (int)j->da, nn = (int)rows, k = (int)j->d;                               \
         int lda = (int)j->ldw, ldb = (int)j->ldx, ldc = (int)j->ldy;                     \
         T one = 1, zero = 0;                                                             \
-        int prev = j->hook ? j->hook(1) : 0;                                             \
         GEMM(&ta, &tb, &m, &nn, &k, &one, (T *)j->W, &lda, (T *)(j->X + r0 * j->ldx),    \
              &ldb, &zero, j->Y + r0 * j->ldy, &ldc);                                     \
-        if (j->hook && prev > 0)                                                         \
-            j->hook(prev);                                                               \
         if (j->b)                                                                        \
             for (int64_t r = 0; r < rows; r++) {                                         \
                 T *y = j->Y + (r0 + r) * j->ldy;                                         \
@@ -517,10 +559,11 @@ void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_f
             return FA_EINVAL;                                                            \
         if (n <= 0)                                                                      \
             return FA_OK;                                                                \
-        proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da,                         \
-                            __atomic_load_n(&g_add_threads, __ATOMIC_ACQUIRE)};          \
+        proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da};                        \
         int64_t ntasks = (n + FA_PROJ_ROWS - 1) / FA_PROJ_ROWS;                          \
+        fa_blas_set_threads_fn hook = add_blas_enter();                                  \
         fa_pool_run(ntasks, n_threads, proj_task_##SFX, &j, NULL, NULL);                 \
+        add_blas_exit(hook);                                                             \
         return FA_OK;                                                                    \
     }
 

@@ -63,8 +63,8 @@ int fa_additive_score_f64(const void *params, const double *q, int64_t ldq, cons
                           int64_t lds);
 
 /* BLAS for the projections: Fortran-ABI gemm from scipy.linalg.cython_blas and
- * an optional hook that sets the BLAS thread count of the calling thread and
- * returns the previous one (OpenBLAS's openblas_set_num_threads_local). */
+ * an optional hook that sets the BLAS thread count and returns the previous
+ * one (OpenBLAS's openblas_set_num_threads_local). */
 void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads);
 
 /* Y (n x da, row stride ldy) = X (n x d, ldx) . W (da x d, ldw)^T (+ b[da] on

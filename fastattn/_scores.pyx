@@ -79,7 +79,7 @@ fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
 
 
 def set_blas_threads_hook(uintptr_t address):
-    """Install ``int f(int)`` (set this thread's BLAS threads, return the previous count); 0 removes it."""
+    """Install ``int f(int)`` (set the BLAS thread count, return the previous one); 0 removes it."""
     fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, <fa_blas_set_threads_fn>address)
 
 

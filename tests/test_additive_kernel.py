@@ -251,3 +251,20 @@ def test_compiled_plugin_needs_equal_feature_sizes(rng):
     with pytest.raises(ValueError, match=r"key: expected last dim 4 .*needs equal query and key features"):
         fastattn.attention(randn(rng, (3, 4)), randn(rng, (5, 3)), randn(rng, (5, 2)),
                            fastattn.testing.selftest_similarity())
+
+
+def test_blas_thread_setting_restored(rng):
+    """The projections hold SciPy's OpenBLAS at one thread only while they run."""
+    from fastattn import _bench
+
+    libs = _bench.openblas_libraries()
+    if "scipy" not in libs:
+        pytest.skip("SciPy's OpenBLAS not found")
+    lib = libs["scipy"]
+    before = lib.get_threads()
+    q, k, v = (randn(rng, (4, 512, 64), np.float32) for _ in range(3))
+    P = fastattn.get_similarity("additive").init_params(64, 64, d_a=64, rng=0, dtype=np.float32)
+    for nt in (1, 2):
+        fastattn.attention(q, k, v, "additive", params=P, n_threads=nt)
+        fastattn.attention(q, k, v, "general", params={"W": np.eye(64, dtype=np.float32)}, n_threads=nt)
+        assert lib.get_threads() == before
