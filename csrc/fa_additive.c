@@ -145,6 +145,18 @@ static pv_double_t get_pv_f64(void)
     return pv_f64_scalar;
 }
 
+void fa_pv_acc_f32(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
+                   const float *V, int64_t ldv, float *O, int64_t ldo)
+{
+    get_pv_f32()(m, dv, n, P, ldp, V, ldv, O, ldo);
+}
+
+void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
+                   const double *V, int64_t ldv, double *O, int64_t ldo)
+{
+    get_pv_f64()(m, dv, n, P, ldp, V, ldv, O, ldo);
+}
+
 /* ---------------------------------------------------------------- tanh */
 
 #if FA_ADD_AVX2

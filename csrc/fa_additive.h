@@ -77,6 +77,13 @@ int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const floa
 int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
                    int64_t ldw, int64_t da, const double *b, double *Y, int64_t ldy, int n_threads);
 
+/* O (m x dv, ldo) += P (m x n, ldp) . V (n x dv, ldv) without BLAS (the NumPy
+ * tiled path's combine step; vectorised when SIMD is active). */
+void fa_pv_acc_f32(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
+                   const float *V, int64_t ldv, float *O, int64_t ldo);
+void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
+                   const double *V, int64_t ldv, double *O, int64_t ldo);
+
 /* The tanh used by the additive kernels, over an array (in place allowed). */
 void fa_tanh_f32(const float *x, float *y, int64_t n);
 void fa_tanh_f64(const double *x, double *y, int64_t n);

@@ -276,6 +276,17 @@ def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
     return s
 
 
+def _pv_acc(p, v, acc, batch):
+    """acc += p @ v.  Not NumPy's matmul: its multi-threaded BLAS stalled these
+    small products (a 4x256x256 NumPy plugin took 1 s instead of 4 ms in a
+    benchmark run while another process held a core)."""
+    if _scores is None or p.dtype != acc.dtype or v.dtype != acc.dtype:  # pragma: no cover
+        acc += np.matmul(p, v)
+        return
+    v = canonical_matrix_stack(v, acc.dtype)
+    _scores.pv_acc(p, v, acc, batch)
+
+
 def _run_tiled(c, res, weights):
     p = c.p
     cdt = p.cdt
@@ -326,7 +337,7 @@ def _run_tiled(c, res, weights):
             l *= alpha
             l += s.sum(axis=-1)
             acc *= alpha[..., None]
-            acc += np.matmul(s, V[..., j0:j1, :])
+            _pv_acc(s, V[..., j0:j1, :], acc, batch)
             m = mnew
         with np.errstate(invalid="ignore", divide="ignore"):
             acc /= np.where(l > 0, l, 1)[..., None]

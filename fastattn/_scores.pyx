@@ -60,6 +60,10 @@ cdef extern from "fa_additive.h" nogil:
                               int64_t, int64_t, int64_t, float *, int64_t)
     int fa_additive_score_f64(const void *, const double *, int64_t, const double *, int64_t,
                               int64_t, int64_t, int64_t, double *, int64_t)
+    void fa_pv_acc_f32(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
+                       const float *V, int64_t ldv, float *O, int64_t ldo)
+    void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
+                       const double *V, int64_t ldv, double *O, int64_t ldo)
     void fa_tanh_f32(const float *x, float *y, int64_t n)
     void fa_tanh_f64(const double *x, double *y, int64_t n)
     const fastattn_score_plugin *fa_selftest_plugin()
@@ -243,6 +247,52 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
         with nogil:
             rc = fa_tiled_attention_f64(&a)
     return rc, a.score_status
+
+
+def pv_acc(cnp.ndarray p, cnp.ndarray v, cnp.ndarray o, tuple batch_shape):
+    """o += p @ v over the batch, without BLAS.  p (..., m, n), v (..., n, dv),
+    o (..., m, dv): one float dtype, contiguous last axes, BLAS-valid row
+    strides, leading dims broadcasting to batch_shape (o's equal to it)."""
+    cdef int64_t shape[32]
+    cdef int64_t pbs[32]
+    cdef int64_t vbs[32]
+    cdef int64_t obs[32]
+    cdef int nb = len(batch_shape)
+    cdef int i
+    cdef int64_t t, idx, r, po, vo, oo, total = 1
+    for i in range(nb):
+        shape[i] = batch_shape[i]
+        total *= shape[i]
+    _batch_strides(p, nb, shape, pbs)
+    _batch_strides(v, nb, shape, vbs)
+    _batch_strides(o, nb, shape, obs)
+    cdef int64_t m = cnp.PyArray_DIMS(p)[cnp.PyArray_NDIM(p) - 2]
+    cdef int64_t n = cnp.PyArray_DIMS(p)[cnp.PyArray_NDIM(p) - 1]
+    cdef int64_t dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
+    cdef int64_t ldp = _ld(p, n), ldv = _ld(v, dv), ldo = _ld(o, dv)
+    cdef bint f32 = cnp.PyArray_TYPE(p) == cnp.NPY_FLOAT32
+    cdef char *P = <char *>cnp.PyArray_DATA(p)
+    cdef char *V = <char *>cnp.PyArray_DATA(v)
+    cdef char *O = <char *>cnp.PyArray_DATA(o)
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(p)
+    with nogil:
+        for t in range(total):
+            r = t
+            po = 0
+            vo = 0
+            oo = 0
+            for i in range(nb - 1, -1, -1):
+                idx = r % shape[i]
+                r = r // shape[i]
+                po += idx * pbs[i]
+                vo += idx * vbs[i]
+                oo += idx * obs[i]
+            if f32:
+                fa_pv_acc_f32(m, dv, n, <const float *>(P + po * item), ldp,
+                              <const float *>(V + vo * item), ldv, <float *>(O + oo * item), ldo)
+            else:
+                fa_pv_acc_f64(m, dv, n, <const double *>(P + po * item), ldp,
+                              <const double *>(V + vo * item), ldv, <double *>(O + oo * item), ldo)
 
 
 def tanh(cnp.ndarray x, cnp.ndarray y):
