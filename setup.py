@@ -11,6 +11,18 @@ import os
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py as _build_py
+
+
+class build_py(_build_py):
+    """Also ship csrc/fastattn_plugin.h (the compiled-plugin ABI) as
+    fastattn/include/fastattn_plugin.h, for fastattn.get_include()."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "fastattn", "include")
+        self.mkpath(dest)
+        self.copy_file(os.path.join("csrc", "fastattn_plugin.h"), dest)
 
 CYTHON_DIRECTIVES = {
     "language_level": 3,
@@ -35,6 +47,17 @@ extensions = [
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
     ),
+    Extension(
+        "fastattn._scores",
+        sources=["fastattn/_scores.pyx", "csrc/fa_additive.c", "csrc/fa_pool.c", "csrc/fa_simd.c"],
+        include_dirs=["csrc", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+    ),
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES))
+setup(
+    ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES),
+    cmdclass={"build_py": build_py},
+)

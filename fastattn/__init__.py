@@ -16,13 +16,27 @@ except ImportError as _exc:  # pragma: no cover - depends on how it was installe
         f"Original error: {_exc}"
     ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
-from .functional import Plan, explain, scaled_dot_product_attention
+from .functional import Plan, attention, explain, scaled_dot_product_attention
+from . import similarity  # registers the built-in similarities
+from .registry import (available_similarities, get_similarity, register_similarity,
+                       unregister_similarity)
+from .similarity import CompiledSimilarity, Similarity
 
 __version__ = "0.1.0"
 
 # FASTATTN_DISABLE_SIMD=1 forces the portable scalar code paths.
 if _os.environ.get("FASTATTN_DISABLE_SIMD", "").strip() not in ("", "0"):
     _kernels.set_simd_disabled(True)
+
+
+def get_include() -> str:
+    """Directory holding ``fastattn_plugin.h``, the C ABI of compiled similarity
+    plugins (add it to your extension's ``include_dirs``)."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    for d in (_os.path.join(here, "include"), _os.path.join(_os.path.dirname(here), "csrc")):
+        if _os.path.exists(_os.path.join(d, "fastattn_plugin.h")):
+            return d
+    raise FileNotFoundError("fastattn_plugin.h is not installed with this fastattn")
 
 
 def simd_active() -> bool:
@@ -32,11 +46,19 @@ def simd_active() -> bool:
 
 __all__ = [
     "scaled_dot_product_attention",
+    "attention",
+    "register_similarity",
+    "get_similarity",
+    "available_similarities",
+    "unregister_similarity",
+    "Similarity",
+    "CompiledSimilarity",
     "explain",
     "Plan",
     "get_num_threads",
     "set_num_threads",
     "threads",
     "simd_active",
+    "get_include",
     "__version__",
 ]

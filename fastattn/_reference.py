@@ -63,3 +63,101 @@ def scaled_dot_product_attention(
     if return_weights:
         return out, w
     return out
+
+
+# ---------------------------------------------------------------------------
+# fastattn.attention: any score function.  Each score formula below is
+# written straight from its textbook definition, in float64, building the
+# full (..., Lq, Lk[, d_a]) tensors; they share no code with
+# fastattn.similarity.
+
+def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
+              causal_alignment="top_left", return_weights=False):
+    """softmax(score_fn(q, k) + mask) @ v in float64; fully masked rows give 0.
+
+    score_fn(q, k) gets float64 arrays (..., Lq, d_q), (..., Lk, d_k) and
+    returns (..., Lq, Lk) scores.
+    """
+    q = np.asarray(query, dtype=np.float64)
+    k = np.asarray(key, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    s = np.asarray(score_fn(q, k), dtype=np.float64)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    allowed = np.ones(s.shape, dtype=bool)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        if m.dtype == np.bool_:
+            allowed = allowed & m
+        else:
+            s = s + m.astype(np.float64)
+    if is_causal:
+        off = 0 if causal_alignment == "top_left" else Lk - Lq
+        allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
+    s, allowed = np.broadcast_arrays(s, allowed)
+    w = softmax_rows(np.where(allowed, s, -np.inf))
+    out = np.matmul(w, v)
+    if return_weights:
+        return out, w
+    return out
+
+
+def _f64(*xs):
+    return [None if x is None else np.asarray(x, dtype=np.float64) for x in xs]
+
+
+def score_dot(q, k, scale=1.0):
+    """scale * sum_c q[i, c] k[j, c]."""
+    q, k = _f64(q, k)
+    return scale * np.einsum("...ic,...jc->...ij", q, k)
+
+
+def score_general(q, k, W, scale=1.0):
+    """scale * q_i^T W k_j, W of shape (d_q, d_k)."""
+    q, k, W = _f64(q, k, W)
+    return scale * np.einsum("...ia,ab,...jb->...ij", q, W, k)
+
+
+def score_additive(q, k, W_q, W_k, v, b=None):
+    """v . tanh(W_q q_i + W_k k_j + b) (Bahdanau); builds (..., Lq, Lk, d_a)."""
+    q, k, W_q, W_k, v, b = _f64(q, k, W_q, W_k, v, b)
+    qp = np.einsum("...ic,ac->...ia", q, W_q)
+    kp = np.einsum("...jc,ac->...ja", k, W_k)
+    h = qp[..., :, None, :] + kp[..., None, :, :]
+    if b is not None:
+        h = h + b
+    return np.einsum("...ija,a->...ij", np.tanh(h), v)
+
+
+def score_concat(q, k, W, v, b=None):
+    """v . tanh(W [q_i; k_j] + b) (Luong concat), by explicit concatenation."""
+    q, k, W, v, b = _f64(q, k, W, v, b)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    qq = np.broadcast_to(q[..., :, None, :], batch + (Lq, Lk, q.shape[-1]))
+    kk = np.broadcast_to(k[..., None, :, :], batch + (Lq, Lk, k.shape[-1]))
+    cat = np.concatenate([qq, kk], axis=-1)
+    h = np.einsum("...ijc,ac->...ija", cat, W)
+    if b is not None:
+        h = h + b
+    return np.einsum("...ija,a->...ij", np.tanh(h), v)
+
+
+def score_cosine(q, k, beta=1.0, eps=1e-12):
+    """beta * q.k / (max(|q|, eps) max(|k|, eps))."""
+    q, k = _f64(q, k)
+    nq = np.maximum(np.linalg.norm(q, axis=-1), eps)
+    nk = np.maximum(np.linalg.norm(k, axis=-1), eps)
+    return beta * np.einsum("...ic,...jc->...ij", q, k) / (nq[..., :, None] * nk[..., None, :])
+
+
+def score_neg_sq_dist(q, k, gamma=1.0):
+    """-gamma * |q_i - k_j|^2 (the example compiled plugin's score)."""
+    q, k = _f64(q, k)
+    diff = q[..., :, None, :] - k[..., None, :, :]
+    return -gamma * np.sum(diff * diff, axis=-1)
+
+
+def score_neg_l1(q, k, gamma=1.0):
+    """-gamma * sum_c |q_ic - k_jc| (the example plugin package's score)."""
+    q, k = _f64(q, k)
+    return -gamma * np.sum(np.abs(q[..., :, None, :] - k[..., None, :, :]), axis=-1)

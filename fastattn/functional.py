@@ -479,3 +479,4 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
+from ._attention import attention  # noqa: E402,F401  (similarity registry, issue 5)

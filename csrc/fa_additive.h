@@ -1,0 +1,95 @@
+/*
+ * Streaming attention over score tiles from a score function: the fused
+ * additive (Bahdanau / Luong concat) kernel and the loop that runs compiled
+ * similarity plugins.  Plain C99 + POSIX threads, no Python.
+ *
+ * Shapes and strides follow fa_sdpa_args (fastattn.h): q (batch..., Lq, d),
+ * k (batch..., Lk, d), v (batch..., Lk, dv), out (batch..., Lq, dv),
+ * optional weights (batch..., Lq, Lk) and mask (batch..., Lq|1, Lk).
+ * A key j is allowed for query i when the mask allows it and, if causal,
+ * j <= i + causal_offset.  Rows with no allowed key produce zeros.
+ *
+ * Per (batch item, block of block_q query rows) task: for each tile of
+ * block_k keys, scores S = score(q rows, k tile) (block_q x block_k scratch),
+ * mask, running max / sum per row (the output row is rescaled only when the
+ * max grows), O += P V.  Tiles above the causal diagonal and tiles a boolean
+ * mask forbids entirely are skipped.  Extra memory: n_threads x
+ * (block_q x block_k + 2 block_q) elements, unless weights are wanted (then
+ * the scores go straight into the weights), from a grow-only buffer per calling
+ * thread.
+ */
+#ifndef FA_ADDITIVE_H
+#define FA_ADDITIVE_H
+
+#include <stdint.h>
+#include "fastattn.h"
+#include "fastattn_plugin.h"
+
+#define FA_ESCORE 4        /* the score function returned nonzero (see score_status) */
+#define FA_ENONFINITE 5    /* a score was NaN or +inf (only when check_scores) */
+
+typedef struct {
+    int nbatch;
+    const int64_t *batch_shape;
+    const int64_t *q_bs, *k_bs, *v_bs, *o_bs, *m_bs, *w_bs;
+    int64_t Lq, Lk, d, dv;
+    int64_t ldq, ldk, ldv, ldo, ldm, ldw;
+    const void *q, *k, *v;
+    const void *mask;
+    int mask_kind;
+    int causal;
+    int64_t causal_offset;
+    void *out;
+    void *weights;
+    int64_t block_q, block_k;
+    int n_threads;
+    fastattn_score_f32 score_f32;   /* the one matching the entry point is used */
+    fastattn_score_f64 score_f64;
+    const void *score_params;
+    int check_scores;               /* reject NaN / +inf scores */
+    int score_status;               /* out: the score function's nonzero code */
+} fa_tiled_args;
+
+int fa_tiled_attention_f32(fa_tiled_args *a);
+int fa_tiled_attention_f64(fa_tiled_args *a);
+
+/* Built-in additive score tile: s_ij = sum_a v[a] tanh(q_ia + k_ja), with
+ * params = the v vector (d entries); q, k are the projected rows. */
+int fa_additive_score_f32(const void *params, const float *q, int64_t ldq, const float *k,
+                          int64_t ldk, int64_t tq, int64_t tk, int64_t d, float *s,
+                          int64_t lds);
+int fa_additive_score_f64(const void *params, const double *q, int64_t ldq, const double *k,
+                          int64_t ldk, int64_t tq, int64_t tk, int64_t d, double *s,
+                          int64_t lds);
+
+/* BLAS for the projections: Fortran-ABI gemm from scipy.linalg.cython_blas and
+ * an optional hook that sets the BLAS thread count and returns the previous
+ * one (OpenBLAS's openblas_set_num_threads_local). */
+void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads);
+
+/* Y (n x da, row stride ldy) = X (n x d, ldx) . W (da x d, ldw)^T (+ b[da] on
+ * every row if b != NULL): blocks of rows are tasks on fastattn's pool, each
+ * one gemm with BLAS held at one thread (a multi-threaded BLAS stalls when
+ * another process holds a core).  d >= 1, da >= 1.  Returns FA_OK, or
+ * FA_EINVAL when no gemm was installed. */
+int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const float *W,
+                   int64_t ldw, int64_t da, const float *b, float *Y, int64_t ldy, int n_threads);
+int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
+                   int64_t ldw, int64_t da, const double *b, double *Y, int64_t ldy, int n_threads);
+
+/* O (m x dv, ldo) += P (m x n, ldp) . V (n x dv, ldv) without BLAS (the NumPy
+ * tiled path's combine step; vectorised when SIMD is active). */
+void fa_pv_acc_f32(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
+                   const float *V, int64_t ldv, float *O, int64_t ldo);
+void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
+                   const double *V, int64_t ldv, double *O, int64_t ldo);
+
+/* The tanh used by the additive kernels, over an array (in place allowed). */
+void fa_tanh_f32(const float *x, float *y, int64_t n);
+void fa_tanh_f64(const double *x, double *y, int64_t n);
+
+/* ABI self-test plugin: -gamma |q - k|^2 with params double[2] = {gamma, mode};
+ * mode 0: normal, 1: return error code 7, 2: a NaN score, 3: a +inf score. */
+const fastattn_score_plugin *fa_selftest_plugin(void);
+
+#endif

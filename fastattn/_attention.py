@@ -1,0 +1,473 @@
+"""``fastattn.attention``: attention with any registered similarity.
+
+Three ways a call runs (:func:`attention_path` says which one would):
+
+* ``"sdpa"`` -- dot-like similarities (``dot``, ``scaled_dot``, ``general``,
+  ``cosine``) are rewritten as a scaled dot product of (possibly projected or
+  normalised) queries and keys and run by
+  :func:`fastattn.scaled_dot_product_attention`;
+* ``"fused"`` -- ``additive`` and ``concat`` project queries and keys once
+  (``Qp = q W_q^T + b``, ``Kp = k W_k^T``) and run the C streaming kernel
+  (``csrc/fa_additive.c``) whose score tiles are ``v . tanh(Qp_i + Kp_j)``;
+  compiled plugins (:class:`fastattn.similarity.CompiledSimilarity`) run the
+  same loop with their C score function;
+* ``"tiled"`` -- any other similarity: its NumPy ``score`` is called on
+  (query block x key tile) tiles inside a NumPy streaming softmax (running
+  max and sum), so memory stays O(tile) unless weights are requested.
+
+Masks, causality (and its alignment), fully masked rows (zeros), weights,
+``out=`` and dtypes behave exactly as in
+:func:`fastattn.scaled_dot_product_attention`; the validation is SDPA's own.
+Parameters are cast to the compute dtype of query / key / value (they do
+not take part in the dtype promotion).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _threads, functional as _functional
+from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
+from .registry import get_similarity
+from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity,
+                         Similarity)
+
+try:
+    from . import _scores
+except ImportError:  # pragma: no cover - only while the extension is not built
+    _scores = None
+
+__all__ = ["attention", "attention_path", "SimilarityError"]
+
+# NumPy tiled path: scores of PY_BLOCK_Q x PY_BLOCK_K at a time (64 KiB in
+# float64).  Measured with tracemalloc at 1 x 1024 x 1024 keys, d = 64:
+# peak 0.77 MB (of which 0.5 MB is the output) against 24 MB for the dense
+# computation; 128 x 256 tiles gave 1.34 MB.
+PY_BLOCK_Q = 64
+PY_BLOCK_K = 128
+# Fused C path: query rows per task and keys per tile.  The kernel is bound
+# by tanh, so tiles hardly matter: one thread, float32, 8x256x256 d=d_a=128
+# and 1x1024x1024 d=d_a=64, every (32, 64, 128) x (64, 128, 256) pair was
+# within 37.7-39.2 ms.  64 x 128 keeps Qp and Kp rows and the score tile
+# (32 KiB) in L2 for d_a up to ~1000.
+C_BLOCK_Q = 64
+C_BLOCK_K = 128
+# d_a is padded with zeros to a multiple of this (one AVX2 vector of floats).
+PAD = 8
+# Below this much work (score evaluations) the fused kernel runs on one thread.
+PARALLEL_MIN_WORK = 1 << 17
+
+
+class SimilarityError(RuntimeError):
+    """A similarity's score function failed (raised, or returned bad scores)."""
+
+
+def _dummy(a: np.ndarray) -> np.ndarray:
+    """Zero-stride stand-in with a's shape but one feature, for SDPA's validation."""
+    return np.broadcast_to(np.zeros((), a.dtype), a.shape[:-1] + (1,))
+
+
+class _Call:
+    pass
+
+
+def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
+             causal_alignment, out, n_threads):
+    sim = get_similarity(similarity)
+    q = as_array(query, "query")
+    k = as_array(key, "key")
+    v = as_array(value, "value")
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        check_float_kind(a, name)
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name}: expected an array with at least 2 dims (..., L, features), "
+                f"got {a.ndim}-d array of shape {a.shape}")
+    d_q, d_k = q.shape[-1], k.shape[-1]
+    if sim.same_dims and d_q != d_k:
+        raise ValueError(
+            f"key: expected last dim {d_q} (query's feature size d; similarity {sim.name!r} "
+            f"needs equal query and key features), got key of shape {k.shape}")
+    # SDPA's own checks and canonicalisation (mask, causal, batch broadcast,
+    # out, threads, dtypes) on stand-ins for q and k with one feature each
+    p = _functional._prepare(_dummy(q), _dummy(k), v, attn_mask, is_causal, None,
+                             return_weights, causal_alignment, out, n_threads)
+    c = _Call()
+    c.sim = sim
+    c.p = p
+    c.q = canonical_matrix_stack(q, p.cdt)
+    c.k = canonical_matrix_stack(k, p.cdt)
+    c.d_q, c.d_k = d_q, d_k
+    c.params = sim.check_params(params, d_q, d_k, p.cdt)
+    c.attn_mask = attn_mask
+    c.causal_alignment = causal_alignment
+    c.lowered = None if isinstance(sim, CompiledSimilarity) else sim._lower(c.q, c.k, c.params)
+    return c
+
+
+def _path(c) -> str:
+    if isinstance(c.sim, CompiledSimilarity):
+        return "fused"
+    if c.lowered is not None and c.lowered[0] in ("sdpa", "project_sdpa"):
+        return "sdpa"
+    if c.lowered is not None and c.lowered[0] == "additive" and _scores is not None:
+        return "fused"
+    return "tiled"
+
+
+def attention_path(query, key, value, similarity="dot", *, params=None, attn_mask=None,
+                   is_causal=False, return_weights=False, causal_alignment="top_left",
+                   out=None, n_threads=None) -> str:
+    """Which path :func:`attention` takes for these arguments: ``"sdpa"``,
+    ``"fused"`` or ``"tiled"`` (validates them the same way)."""
+    return _path(_prepare(query, key, value, similarity, params, attn_mask, is_causal,
+                          return_weights, causal_alignment, out, n_threads))
+
+
+def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
+              is_causal=False, return_weights=False, causal_alignment="top_left",
+              out=None, n_threads=None):
+    """Attention ``softmax(score(Q, K) + mask) V`` with any registered similarity.
+
+    Parameters
+    ----------
+    query : array_like (..., Lq, d_q)
+    key : array_like (..., Lk, d_k)
+        ``d_k`` must equal ``d_q`` for ``dot``, ``scaled_dot``, ``cosine`` and
+        compiled plugins.
+    value : array_like (..., Lk, dv)
+    similarity : str or Similarity
+        A registered name (see :func:`fastattn.available_similarities`), a
+        :class:`~fastattn.similarity.Similarity` instance or subclass.
+    params : dict, optional
+        The similarity's parameters (shapes in its ``params_spec``; see
+        ``docs/similarities.md``), cast to the compute dtype.
+    attn_mask, is_causal, return_weights, causal_alignment, out, n_threads
+        Exactly as in :func:`fastattn.scaled_dot_product_attention`.
+
+    Returns
+    -------
+    ndarray (..., Lq, dv), or ``(output, weights)`` with weights (..., Lq, Lk).
+    """
+    c = _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
+                 causal_alignment, out, n_threads)
+    path = _path(c)
+    if path == "sdpa":
+        return _run_sdpa(c)
+    p = c.p
+    out_shape = p.batch + (p.Lq, p.dv)
+    res = _direct_out(c) if path == "fused" else None
+    if res is None:
+        res = np.empty(out_shape, dtype=p.cdt)
+    weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
+    if res.size or (weights is not None and weights.size):
+        if path == "fused":
+            _run_fused(c, res, weights)
+        else:
+            _run_tiled(c, res, weights)
+    return _finish(p, res, weights)
+
+
+def _direct_out(c):
+    """The user's ``out`` itself when the fused kernel can write into it: the
+    compute dtype, rows addressable by the kernel, no overlap with an input."""
+    p = c.p
+    out = p.out
+    if out is None or out.dtype != p.cdt or not out.flags.aligned or p.dv == 0:
+        return None
+    if canonical_matrix_stack(out, p.cdt) is not out:
+        return None
+    for a in (c.q, c.k, p.v, p.mask):
+        if a is not None and np.may_share_memory(out, a):
+            return None
+    return out
+
+
+def _finish(p, res, weights):
+    if p.out is not None:
+        if res is not p.out:
+            np.copyto(p.out, res, casting="unsafe")
+        res = p.out
+    elif p.rdt != p.cdt:
+        res = res.astype(p.rdt)
+    if p.want_weights:
+        if p.rdt != p.cdt:
+            weights = weights.astype(p.rdt)
+        return res, weights
+    return res
+
+
+def _run_sdpa(c):
+    kind, q2, k2, scale = c.lowered
+    p = c.p
+    if kind == "project_sdpa":  # q2 is the matrix M of q2 := q M^T
+        M = q2
+        if _scores is not None:
+            _ensure_blas_hook()
+            q2 = _project(c.q, M, None, p.cdt, p.n_threads, pad=False)
+        else:  # pragma: no cover
+            q2 = np.matmul(c.q, M.T)
+    direct = p.out is not None and p.rdt == p.cdt
+    r = _functional.scaled_dot_product_attention(
+        q2, k2, p.v, c.attn_mask, p.causal, scale, return_weights=p.want_weights,
+        causal_alignment=c.causal_alignment, out=p.out if direct else None,
+        n_threads=p.n_threads)
+    if direct:
+        return r
+    if p.want_weights:
+        return _finish(p, r[0], r[1])
+    return _finish(p, r, None)
+
+
+# ------------------------------------------------------------- NumPy tiled
+
+def _score_tile(sim, qt, kt, params, cdt):
+    want = qt.shape[:-1] + (kt.shape[-2],)
+    try:
+        s = sim.score(qt, kt, params)
+    except Exception as exc:
+        raise SimilarityError(
+            f"similarity {sim.name!r}: score raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(s, np.ndarray):
+        try:
+            s = np.asarray(s)
+        except Exception:
+            raise TypeError(
+                f"similarity {sim.name!r}: score returned {describe(s)}, expected an "
+                f"ndarray of shape {want}") from None
+    if s.shape != want:
+        raise ValueError(
+            f"similarity {sim.name!r}: score returned shape {s.shape}, expected "
+            f"(..., tq, tk) = {want}")
+    if s.dtype.kind != "f":
+        raise TypeError(
+            f"similarity {sim.name!r}: score returned dtype {s.dtype}, expected a real "
+            f"floating dtype (float32 or float64)")
+    s = s.astype(cdt, copy=True)
+    with np.errstate(invalid="ignore"):
+        bad = np.isnan(s).any() or np.isposinf(s).any()
+    if bad:
+        raise ValueError(
+            f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
+            "'may not attend', is allowed)")
+    return s
+
+
+def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
+    """Masked scores of queries [i0, i1) x keys [j0, j1), or None if all forbidden."""
+    p = c.p
+    mt = None
+    if M is not None:
+        mt = M[..., i0:i1, j0:j1]
+        if p.mask_kind == _functional._kernels.MASK_BOOL and not mt.any():
+            return None
+    s = _score_tile(c.sim, Q[..., i0:i1, :], K[..., j0:j1, :], c.params, p.cdt)
+    if mt is not None:
+        if p.mask_kind == _functional._kernels.MASK_BOOL:
+            s[~np.broadcast_to(mt, s.shape)] = -np.inf
+        else:
+            s += mt
+    if p.causal:
+        lim = np.arange(i0, i1)[:, None] + p.causal_offset
+        forbid = np.arange(j0, j1)[None, :] > lim
+        if forbid.any():
+            s[..., forbid] = -np.inf
+    return s
+
+
+def _pv_acc(p, v, acc, batch):
+    """acc += p @ v.  Not NumPy's matmul: its multi-threaded BLAS stalled these
+    small products (a 4x256x256 NumPy plugin took 1 s instead of 4 ms in a
+    benchmark run while another process held a core)."""
+    if _scores is None or p.dtype != acc.dtype or v.dtype != acc.dtype:  # pragma: no cover
+        acc += np.matmul(p, v)
+        return
+    v = canonical_matrix_stack(v, acc.dtype)
+    _scores.pv_acc(p, v, acc, batch)
+
+
+def _run_tiled(c, res, weights):
+    p = c.p
+    cdt = p.cdt
+    batch = p.batch
+    Q = np.broadcast_to(c.q, batch + c.q.shape[-2:])
+    K = np.broadcast_to(c.k, batch + c.k.shape[-2:])
+    V = np.broadcast_to(p.v, batch + p.v.shape[-2:])
+    M = None if p.mask is None else np.broadcast_to(p.mask, batch + (p.Lq, p.Lk))
+    Lq, Lk = p.Lq, p.Lk
+    neg_inf = cdt.type(-np.inf)
+    for i0 in range(0, Lq, PY_BLOCK_Q):
+        i1 = min(Lq, i0 + PY_BLOCK_Q)
+        kend = Lk
+        if p.causal:
+            kend = max(0, min(Lk, i1 - 1 + p.causal_offset + 1))
+        if weights is not None:
+            W = weights[..., i0:i1, :]
+            W[...] = neg_inf
+            for j0 in range(0, kend, PY_BLOCK_K):
+                j1 = min(kend, j0 + PY_BLOCK_K)
+                s = _tile_scores(c, Q, K, M, i0, i1, j0, j1)
+                if s is not None:
+                    W[..., j0:j1] = s
+            mx = W.max(axis=-1, keepdims=True) if Lk else np.full(W.shape[:-1] + (1,), neg_inf)
+            full = mx == neg_inf
+            with np.errstate(invalid="ignore", over="ignore"):
+                np.exp(W - np.where(full, 0, mx), out=W)
+                l = W.sum(axis=-1, keepdims=True)
+                W /= np.where(l > 0, l, 1)
+            W[np.broadcast_to(full, W.shape)] = 0
+            np.matmul(W, V, out=res[..., i0:i1, :])
+            continue
+        m = np.full(batch + (i1 - i0,), neg_inf, dtype=cdt)
+        l = np.zeros(batch + (i1 - i0,), dtype=cdt)
+        acc = res[..., i0:i1, :]
+        acc[...] = 0
+        for j0 in range(0, kend, PY_BLOCK_K):
+            j1 = min(kend, j0 + PY_BLOCK_K)
+            s = _tile_scores(c, Q, K, M, i0, i1, j0, j1)
+            if s is None:
+                continue
+            mnew = np.maximum(m, s.max(axis=-1))
+            msafe = np.where(mnew == neg_inf, 0, mnew)
+            with np.errstate(invalid="ignore", over="ignore"):
+                alpha = np.exp(m - msafe)
+                s -= msafe[..., None]
+                np.exp(s, out=s)
+            l *= alpha
+            l += s.sum(axis=-1)
+            acc *= alpha[..., None]
+            _pv_acc(s, V[..., j0:j1, :], acc, batch)
+            m = mnew
+        with np.errstate(invalid="ignore", divide="ignore"):
+            acc /= np.where(l > 0, l, 1)[..., None]
+        acc[l == 0] = 0
+
+
+# ------------------------------------------------------------- fused C path
+
+def _pad(n):
+    return -(-max(n, 1) // PAD) * PAD
+
+
+_hook_done = False
+
+
+def _ensure_blas_hook():
+    """Give the projections the hook that holds SciPy's OpenBLAS at one thread
+    per task (the one fastattn._threads found for the SDPA kernel)."""
+    global _hook_done
+    if _hook_done:
+        return
+    import ctypes
+
+    _threads.ensure_blas_hook()
+    path = _threads._blas_hook_library
+    if path is not None:
+        try:
+            lib = ctypes.CDLL(path)
+            for sym in ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local"):
+                fn = getattr(lib, sym, None)
+                if fn is not None:
+                    _scores.set_blas_threads_hook(ctypes.cast(fn, ctypes.c_void_p).value)
+                    break
+        except OSError:  # pragma: no cover - the library was found a moment ago
+            pass
+    _hook_done = True
+
+
+def _project(x, w, b, cdt, n_threads, pad=True):
+    """x (..., L, d) @ w.T (+ b) into a (..., L, pad(d_a)) buffer (zero padding
+    columns), by SciPy's gemm on fastattn's threads (BLAS held at one thread
+    each: NumPy's multi-threaded matmul was 0.5-32 ms instead of 0.3 ms for
+    1024 x 64 x 64 while another process held a core)."""
+    d_a = w.shape[0]
+    dp = _pad(d_a) if pad else d_a
+    buf = (np.zeros if dp != d_a or x.shape[-1] == 0 else np.empty)(x.shape[:-1] + (dp,), dtype=cdt)
+    d = x.shape[-1]
+    if d and x.size and d_a:
+        x2 = np.ascontiguousarray(x).reshape(-1, d)  # no copy for C-contiguous x
+        if w.shape[0] > 1 and w.strides[-1] != w.itemsize:
+            w = np.ascontiguousarray(w)
+        nt = n_threads if x2.shape[0] * d * d_a >= PARALLEL_MIN_WORK else 1
+        rc = _scores.project(x2, w, None if b is None else np.ascontiguousarray(b),
+                             buf.reshape(-1, dp), nt)
+        if rc:
+            raise RuntimeError(f"fastattn: projection kernel rejected its arguments (status {rc})")
+    elif b is not None:
+        buf[..., :d_a] += b
+    return buf
+
+
+def _plugin_functions(sim):
+    cap = sim.capsule
+    info = _scores.capsule_info(cap, PLUGIN_CAPSULE_NAME.encode())
+    if info is None:
+        raise TypeError(
+            f"similarity {sim.name!r}: capsule must be a PyCapsule named "
+            f"{PLUGIN_CAPSULE_NAME!r}, got {describe(cap) if not type(cap).__name__ == 'PyCapsule' else repr(cap)}")
+    abi, f32, f64 = info
+    if abi != PLUGIN_ABI_VERSION:
+        raise TypeError(
+            f"similarity {sim.name!r}: plugin ABI version {abi}, this fastattn expects "
+            f"{PLUGIN_ABI_VERSION}")
+    return f32, f64
+
+
+def _run_fused(c, res, weights):
+    p = c.p
+    cdt = p.cdt
+    nt = p.n_threads
+    if isinstance(c.sim, CompiledSimilarity):
+        f32, f64 = _plugin_functions(c.sim)
+        fn = f32 if cdt == np.float32 else f64
+        if not fn:
+            raise TypeError(f"similarity {c.sim.name!r}: the plugin has no {cdt} score function")
+        packed = c.sim.pack_params(c.params, c.d_q, cdt)
+        if not isinstance(packed, np.ndarray) or not packed.flags.c_contiguous:
+            raise TypeError(
+                f"similarity {c.sim.name!r}: pack_params must return a C-contiguous ndarray, "
+                f"got {describe(packed)}")
+        qx, kx, kind, d = c.q, c.k, _scores.SCORE_PLUGIN, c.d_q
+        if d == 0:
+            qx = np.zeros(c.q.shape[:-1] + (1,), cdt)
+            kx = np.zeros(c.k.shape[:-1] + (1,), cdt)
+    else:
+        _, wq, wk, b, vvec = c.lowered
+        _ensure_blas_hook()
+        qx = _project(c.q, wq, b, cdt, nt)
+        kx = _project(c.k, wk, None, cdt, nt)
+        packed = np.zeros(qx.shape[-1], dtype=cdt)
+        packed[:vvec.shape[0]] = vvec
+        fn, kind = 0, _scores.SCORE_ADDITIVE
+        d = qx.shape[-1]
+    v, res_k = p.v, res
+    if p.dv == 0:
+        v = np.zeros(p.v.shape[:-1] + (1,), cdt)
+        res_k = np.empty(p.batch + (p.Lq, 1), cdt)
+    work = math.prod(p.batch) * p.Lq * p.Lk * max(d, 1)
+    if work < PARALLEL_MIN_WORK:
+        nt = 1
+    bq = max(1, min(C_BLOCK_Q, p.Lq))
+    nb = math.prod(p.batch)
+    while nt > 1 and bq > 8 and nb * -(-p.Lq // bq) < 2 * nt:
+        bq = (bq + 1) // 2
+    _scores.sync_simd(_functional._kernels.simd_active())
+    rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res_k, weights, p.batch,
+                                      p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
+                                      packed, kind == _scores.SCORE_PLUGIN)
+    if rc:
+        _raise_kernel(rc, prc, c.sim)
+
+
+def _raise_kernel(rc, prc, sim):
+    if rc == _scores.FA_ENOMEM:
+        raise MemoryError("fastattn: could not allocate kernel scratch memory")
+    if rc == _scores.FA_ESCORE:
+        raise SimilarityError(
+            f"similarity {sim.name!r}: the compiled score function returned error code {prc}")
+    if rc == _scores.FA_ENONFINITE:
+        raise ValueError(
+            f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
+            "'may not attend', is allowed)")
+    raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")  # a bug

@@ -1,0 +1,306 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython entry points into csrc/fa_additive.c (score-tile streaming attention).
+
+Canonical buffers in, preallocated outputs, GIL released, no user-facing
+checks: ``fastattn._attention`` validates every argument before it calls here.
+"""
+cimport numpy as cnp
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
+from libc.stdint cimport int64_t, uintptr_t
+from scipy.linalg.cython_blas cimport dgemm, sgemm
+
+from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
+                              fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
+
+cnp.import_array()
+
+cdef extern from "fa_additive.h" nogil:
+    int FA_OK, FA_ENOMEM, FA_EINVAL, FA_ESCORE, FA_ENONFINITE
+    int FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD
+    ctypedef struct fa_tiled_args:
+        int nbatch
+        const int64_t *batch_shape
+        const int64_t *q_bs
+        const int64_t *k_bs
+        const int64_t *v_bs
+        const int64_t *o_bs
+        const int64_t *m_bs
+        const int64_t *w_bs
+        int64_t Lq, Lk, d, dv
+        int64_t ldq, ldk, ldv, ldo, ldm, ldw
+        const void *q
+        const void *k
+        const void *v
+        const void *mask
+        int mask_kind
+        int causal
+        int64_t causal_offset
+        void *out
+        void *weights
+        int64_t block_q, block_k
+        int n_threads
+        fastattn_score_f32 score_f32
+        fastattn_score_f64 score_f64
+        const void *score_params
+        int check_scores
+        int score_status
+    ctypedef void (*fa_sgemm_fn)(char*, char*, int*, int*, int*, float*, float*, int*,
+                                 float*, int*, float*, float*, int*)
+    ctypedef void (*fa_dgemm_fn)(char*, char*, int*, int*, int*, double*, double*, int*,
+                                 double*, int*, double*, double*, int*)
+    ctypedef int (*fa_blas_set_threads_fn)(int)
+    void fa_add_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
+    int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const float *W,
+                       int64_t ldw, int64_t da, const float *b, float *Y, int64_t ldy, int n_threads)
+    int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
+                       int64_t ldw, int64_t da, const double *b, double *Y, int64_t ldy, int n_threads)
+    int fa_tiled_attention_f32(fa_tiled_args *a)
+    int fa_tiled_attention_f64(fa_tiled_args *a)
+    int fa_additive_score_f32(const void *, const float *, int64_t, const float *, int64_t,
+                              int64_t, int64_t, int64_t, float *, int64_t)
+    int fa_additive_score_f64(const void *, const double *, int64_t, const double *, int64_t,
+                              int64_t, int64_t, int64_t, double *, int64_t)
+    void fa_pv_acc_f32(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,
+                       const float *V, int64_t ldv, float *O, int64_t ldo)
+    void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ldp,
+                       const double *V, int64_t ldv, double *O, int64_t ldo)
+    void fa_tanh_f32(const float *x, float *y, int64_t n)
+    void fa_tanh_f64(const double *x, double *y, int64_t n)
+    const fastattn_score_plugin *fa_selftest_plugin()
+    int fa_simd_active()
+    void fa_simd_set_disabled(int disable)
+
+SCORE_ADDITIVE = 0
+SCORE_PLUGIN = 1
+globals()["FA_ENOMEM"] = FA_ENOMEM
+globals()["FA_ESCORE"] = FA_ESCORE
+globals()["FA_ENONFINITE"] = FA_ENONFINITE
+PLUGIN_ABI_VERSION = FASTATTN_PLUGIN_ABI_VERSION
+PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
+
+
+fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+
+def set_blas_threads_hook(uintptr_t address):
+    """Install ``int f(int)`` (set the BLAS thread count, return the previous one); 0 removes it."""
+    fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, <fa_blas_set_threads_fn>address)
+
+
+def project(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads):
+    """y[:, :da] = x @ w.T (+ b).  x (n, d) and y (n, >= da) with contiguous rows,
+    w (da, d) with a contiguous last axis (any row stride), b (da,) contiguous or None;
+    one float dtype; d, da >= 1.  Returns the C status."""
+    cdef int64_t n = cnp.PyArray_DIMS(x)[0]
+    cdef int64_t d = cnp.PyArray_DIMS(x)[1]
+    cdef int64_t da = cnp.PyArray_DIMS(w)[0]
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
+    cdef int64_t ldx = cnp.PyArray_STRIDES(x)[0] // item if n > 1 else d
+    cdef int64_t ldw = cnp.PyArray_STRIDES(w)[0] // item if da > 1 else d
+    cdef int64_t ldy = cnp.PyArray_STRIDES(y)[0] // item if n > 1 else cnp.PyArray_DIMS(y)[1]
+    cdef const void *bp = NULL
+    cdef int rc
+    if b is not None:
+        bp = cnp.PyArray_DATA(<cnp.ndarray>b)
+    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        with nogil:
+            rc = fa_project_f32(<const float *>cnp.PyArray_DATA(x), ldx, n, d,
+                                <const float *>cnp.PyArray_DATA(w), ldw, da, <const float *>bp,
+                                <float *>cnp.PyArray_DATA(y), ldy, n_threads)
+    else:
+        with nogil:
+            rc = fa_project_f64(<const double *>cnp.PyArray_DATA(x), ldx, n, d,
+                                <const double *>cnp.PyArray_DATA(w), ldw, da, <const double *>bp,
+                                <double *>cnp.PyArray_DATA(y), ldy, n_threads)
+    return rc
+
+
+def sync_simd(bint active):
+    """Follow fastattn._kernels' SIMD switch (this extension has its own copy)."""
+    fa_simd_set_disabled(not active)
+
+
+def simd_active():
+    return bool(fa_simd_active())
+
+
+def capsule_info(object cap, bytes name):
+    """(abi_version, score_f32 address, score_f64 address), or None when cap is
+    not a PyCapsule of that name."""
+    if not PyCapsule_IsValid(cap, name):
+        return None
+    cdef const fastattn_score_plugin *p = <const fastattn_score_plugin *>PyCapsule_GetPointer(cap, name)
+    if p == NULL:
+        return None
+    return (p.abi_version, <uintptr_t>p.score_f32, <uintptr_t>p.score_f64)
+
+
+def selftest_capsule():
+    """PyCapsule of the ABI self-test plugin (-gamma |q - k|^2)."""
+    return PyCapsule_New(<void *>fa_selftest_plugin(), FASTATTN_PLUGIN_CAPSULE_NAME, NULL)
+
+
+cdef inline void _batch_strides(cnp.ndarray a, int nbatch, const int64_t *shape,
+                                int64_t *out) noexcept:
+    cdef int nd = cnp.PyArray_NDIM(a) - 2
+    cdef int i, j
+    cdef cnp.npy_intp *sh = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
+    for i in range(nbatch):
+        j = i - (nbatch - nd)
+        if j < 0 or sh[j] == 1:
+            out[i] = 0
+        else:
+            out[i] = st[j] // item
+
+
+cdef inline int64_t _ld(cnp.ndarray a, int64_t cols) noexcept:
+    cdef int nd = cnp.PyArray_NDIM(a)
+    if cnp.PyArray_DIMS(a)[nd - 2] == 1:
+        return cols if cols > 0 else 1
+    return cnp.PyArray_STRIDES(a)[nd - 2] // cnp.PyArray_ITEMSIZE(a)
+
+
+def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
+                    cnp.ndarray out, object weights, tuple batch_shape, bint causal,
+                    int64_t causal_offset, int64_t block_q, int64_t block_k, int n_threads,
+                    int score_kind, uintptr_t score_fn, cnp.ndarray params, bint check_scores):
+    """Run the kernel; returns (status, score function status).
+
+    q, k, v, out (and mask, weights when given) as for fastattn._kernels.sdpa
+    (q and k share the feature size d); params: C-contiguous, its buffer is
+    the score function's params (for SCORE_ADDITIVE: the v vector, d
+    entries of q's dtype).
+    """
+    cdef fa_tiled_args a
+    cdef int64_t shape[32]
+    cdef int64_t qbs[32]
+    cdef int64_t kbs[32]
+    cdef int64_t vbs[32]
+    cdef int64_t obs[32]
+    cdef int64_t mbs[32]
+    cdef int64_t wbs[32]
+    cdef int nb = len(batch_shape)
+    cdef int i, rc
+    cdef cnp.ndarray m_arr, w_arr
+    for i in range(nb):
+        shape[i] = batch_shape[i]
+    a.nbatch = nb
+    a.batch_shape = shape
+    _batch_strides(q, nb, shape, qbs)
+    _batch_strides(k, nb, shape, kbs)
+    _batch_strides(v, nb, shape, vbs)
+    _batch_strides(out, nb, shape, obs)
+    a.q_bs = qbs
+    a.k_bs = kbs
+    a.v_bs = vbs
+    a.o_bs = obs
+    a.m_bs = mbs
+    a.w_bs = wbs
+    a.Lq = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 2]
+    a.d = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 1]
+    a.Lk = cnp.PyArray_DIMS(k)[cnp.PyArray_NDIM(k) - 2]
+    a.dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
+    a.ldq = _ld(q, a.d)
+    a.ldk = _ld(k, a.d)
+    a.ldv = _ld(v, a.dv)
+    a.ldo = _ld(out, a.dv)
+    a.q = cnp.PyArray_DATA(q)
+    a.k = cnp.PyArray_DATA(k)
+    a.v = cnp.PyArray_DATA(v)
+    a.out = cnp.PyArray_DATA(out)
+    a.mask_kind = mask_kind
+    a.mask = NULL
+    a.ldm = 0
+    if mask_kind != FA_MASK_NONE:
+        m_arr = <cnp.ndarray>mask
+        _batch_strides(m_arr, nb, shape, mbs)
+        a.mask = cnp.PyArray_DATA(m_arr)
+        if cnp.PyArray_DIMS(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] == 1:
+            a.ldm = 0
+        else:
+            a.ldm = cnp.PyArray_STRIDES(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] // cnp.PyArray_ITEMSIZE(m_arr)
+    a.weights = NULL
+    a.ldw = 0
+    if weights is not None:
+        w_arr = <cnp.ndarray>weights
+        _batch_strides(w_arr, nb, shape, wbs)
+        a.weights = cnp.PyArray_DATA(w_arr)
+        a.ldw = _ld(w_arr, a.Lk)
+    a.causal = causal
+    a.causal_offset = causal_offset
+    a.block_q = block_q
+    a.block_k = block_k
+    a.n_threads = n_threads
+    a.score_params = cnp.PyArray_DATA(params)
+    a.check_scores = check_scores
+    a.score_status = 0
+    a.score_f32 = NULL
+    a.score_f64 = NULL
+    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
+        a.score_f32 = fa_additive_score_f32 if score_kind == SCORE_ADDITIVE else <fastattn_score_f32>score_fn
+        with nogil:
+            rc = fa_tiled_attention_f32(&a)
+    else:
+        a.score_f64 = fa_additive_score_f64 if score_kind == SCORE_ADDITIVE else <fastattn_score_f64>score_fn
+        with nogil:
+            rc = fa_tiled_attention_f64(&a)
+    return rc, a.score_status
+
+
+def pv_acc(cnp.ndarray p, cnp.ndarray v, cnp.ndarray o, tuple batch_shape):
+    """o += p @ v over the batch, without BLAS.  p (..., m, n), v (..., n, dv),
+    o (..., m, dv): one float dtype, contiguous last axes, BLAS-valid row
+    strides, leading dims broadcasting to batch_shape (o's equal to it)."""
+    cdef int64_t shape[32]
+    cdef int64_t pbs[32]
+    cdef int64_t vbs[32]
+    cdef int64_t obs[32]
+    cdef int nb = len(batch_shape)
+    cdef int i
+    cdef int64_t t, idx, r, po, vo, oo, total = 1
+    for i in range(nb):
+        shape[i] = batch_shape[i]
+        total *= shape[i]
+    _batch_strides(p, nb, shape, pbs)
+    _batch_strides(v, nb, shape, vbs)
+    _batch_strides(o, nb, shape, obs)
+    cdef int64_t m = cnp.PyArray_DIMS(p)[cnp.PyArray_NDIM(p) - 2]
+    cdef int64_t n = cnp.PyArray_DIMS(p)[cnp.PyArray_NDIM(p) - 1]
+    cdef int64_t dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
+    cdef int64_t ldp = _ld(p, n), ldv = _ld(v, dv), ldo = _ld(o, dv)
+    cdef bint f32 = cnp.PyArray_TYPE(p) == cnp.NPY_FLOAT32
+    cdef char *P = <char *>cnp.PyArray_DATA(p)
+    cdef char *V = <char *>cnp.PyArray_DATA(v)
+    cdef char *O = <char *>cnp.PyArray_DATA(o)
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(p)
+    with nogil:
+        for t in range(total):
+            r = t
+            po = 0
+            vo = 0
+            oo = 0
+            for i in range(nb - 1, -1, -1):
+                idx = r % shape[i]
+                r = r // shape[i]
+                po += idx * pbs[i]
+                vo += idx * vbs[i]
+                oo += idx * obs[i]
+            if f32:
+                fa_pv_acc_f32(m, dv, n, <const float *>(P + po * item), ldp,
+                              <const float *>(V + vo * item), ldv, <float *>(O + oo * item), ldo)
+            else:
+                fa_pv_acc_f64(m, dv, n, <const double *>(P + po * item), ldp,
+                              <const double *>(V + vo * item), ldv, <double *>(O + oo * item), ldo)
+
+
+def tanh(cnp.ndarray x, cnp.ndarray y):
+    """y = tanh(x) with the additive kernels' tanh; x, y contiguous, same float dtype."""
+    cdef int64_t n = cnp.PyArray_SIZE(x)
+    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        with nogil:
+            fa_tanh_f32(<const float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(y), n)
+    else:
+        with nogil:
+            fa_tanh_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)

@@ -1,0 +1,469 @@
+"""Similarity (score) functions for :func:`fastattn.attention`.
+
+A similarity turns a tile of queries ``(..., tq, d_q)`` and a tile of keys
+``(..., tk, d_k)`` into scores ``(..., tq, tk)``; :func:`fastattn.attention`
+feeds them to the masked streaming softmax and combines with the values.
+
+Built-ins (formulas for one query row ``q`` and key row ``k``; shapes of
+the parameters in ``params``; ``d_a`` is the attention size and is read off
+the parameters):
+
+============  =====================================  ===========================================
+name          score(q, k)                            params
+============  =====================================  ===========================================
+dot           q . k                                  none
+scaled_dot    scale * q . k                          scale: () optional, default 1/sqrt(d)
+general       scale * q^T W k                        W: (d_q, d_k); scale: () optional (1)
+additive      v . tanh(W_q q + W_k k + b)            W_q: (d_a, d_q), W_k: (d_a, d_k), v: (d_a,),
+                                                     b: (d_a,) optional (0);
+                                                     normalize=True: v -> g * v / ||v||, g: () (1)
+concat        v . tanh(W [q; k] + b)                 W: (d_a, d_q + d_k), v: (d_a,), b optional
+cosine        beta * q.k / (|q| |k|)                 beta: () optional (1)
+============  =====================================  ===========================================
+
+(For ``cosine`` a zero row is divided by ``eps`` = 1e-12 instead of its
+norm, so its scores are 0, as ``torch.nn.functional.normalize`` does.)
+
+A user similarity subclasses :class:`Similarity` and implements
+:meth:`Similarity.score` in NumPy (it runs through a tiled streaming
+softmax, so memory stays O(tile)), or subclasses
+:class:`CompiledSimilarity` and hands over a C score-tile function in a
+``PyCapsule`` (``csrc/fastattn_plugin.h``, ``fastattn/plugin.pxd``) that the
+C streaming loop calls with no Python call per tile.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+
+import numpy as np
+
+from .registry import register_similarity
+
+__all__ = [
+    "Similarity",
+    "CompiledSimilarity",
+    "DotSimilarity",
+    "ScaledDotSimilarity",
+    "GeneralSimilarity",
+    "AdditiveSimilarity",
+    "ConcatSimilarity",
+    "CosineSimilarity",
+    "PLUGIN_CAPSULE_NAME",
+    "PLUGIN_ABI_VERSION",
+]
+
+#: Name the PyCapsule of a compiled plugin must carry (see csrc/fastattn_plugin.h).
+PLUGIN_CAPSULE_NAME = "fastattn.score_plugin.v1"
+#: ``abi_version`` field the plugin struct must hold.
+PLUGIN_ABI_VERSION = 1
+
+_NO_DEFAULT = object()
+
+
+class ParamSpec:
+    """One parameter: symbolic shape, whether required, its default, a docstring."""
+
+    __slots__ = ("shape", "required", "default", "doc")
+
+    def __init__(self, shape, required=True, default=None, doc=""):
+        self.shape = tuple(shape)
+        self.required = required
+        self.default = default
+        self.doc = doc
+
+    def __repr__(self):
+        return (f"ParamSpec(shape={self.shape!r}, required={self.required!r}, "
+                f"default={self.default!r})")
+
+
+def _dim_value(sym, dims):
+    if isinstance(sym, int):
+        return sym
+    total = 0
+    for part in sym.split("+"):
+        part = part.strip()
+        if part not in dims:
+            return None
+        total += dims[part]
+    return total
+
+
+class Similarity:
+    """Base class of every similarity.
+
+    Subclasses set
+
+    * ``name`` -- the registry name (a str);
+    * ``params_spec`` -- ``{param name: ParamSpec(shape, required, default, doc)}``
+      where ``shape`` is a tuple of ints and symbols: ``"d_q"`` (query
+      features), ``"d_k"`` (key features), any other name (read off the first
+      parameter that has it, e.g. ``"d_a"``) and sums such as ``"d_q+d_k"``.
+      ``None`` (the default for user plugins) means: no checking, ``params``
+      is handed to :meth:`score` as given;
+    * :meth:`score`.
+
+    Constructor keyword arguments should be stored as attributes of the same
+    name so that :meth:`get_config` / :meth:`from_config` round-trip them
+    (list their names in ``config_keys``).
+    """
+
+    name: str | None = None
+    params_spec: dict | None = None
+    config_keys: tuple = ()
+    #: d_q must equal d_k (dot-like similarities)
+    same_dims: bool = False
+
+    # ------------------------------------------------------------ the math
+    def score(self, query, key, params):
+        """Scores of a query tile against a key tile.
+
+        query : ndarray (..., tq, d_q); key : ndarray (..., tk, d_k), both of
+        the compute dtype (float32 or float64), read-only, with equal leading
+        dims.  params : the checked parameter dict (arrays in the compute
+        dtype) or, without ``params_spec``, what the caller passed.
+        Returns (..., tq, tk) real floating scores; ``-inf`` forbids a pair,
+        NaN and ``+inf`` are errors.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__}.score is not implemented")
+
+    # ---------------------------------------------------------- parameters
+    def check_params(self, params, d_q, d_k, dtype):
+        """Validate ``params`` against ``params_spec``; returns a new dict of
+        arrays of ``dtype`` (inputs are never modified)."""
+        spec = self.params_spec
+        if spec is None:
+            return params
+        where = f"similarity {self.name!r}"
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"params: expected a dict of arrays for {where}, got {type(params).__name__}")
+        unknown = sorted(set(params) - set(spec))
+        if unknown:
+            raise ValueError(
+                f"params: unexpected key(s) {unknown} for {where}; expected "
+                f"{self._describe_spec()}")
+        dims = {"d_q": d_q, "d_k": d_k}
+        out = {}
+        for pname, ps in spec.items():
+            if pname not in params or params[pname] is None:
+                if ps.required:
+                    raise ValueError(
+                        f"params: missing {pname!r} for {where}; expected {self._describe_spec()}")
+                if ps.default is not None:
+                    out[pname] = np.asarray(ps.default, dtype=dtype)
+                continue
+            raw = params[pname]
+            try:
+                a = np.asarray(raw)
+            except Exception as exc:
+                raise TypeError(f"params[{pname!r}]: expected an array of real numbers ({exc})") from None
+            if a.dtype.kind not in "fiu" or (a.dtype.kind == "f" and a.dtype.itemsize > 8):
+                raise TypeError(
+                    f"params[{pname!r}]: expected real numbers (float32/float64) for {where}, "
+                    f"got dtype {a.dtype}")
+            if a.ndim != len(ps.shape):
+                raise ValueError(
+                    f"params[{pname!r}]: expected shape {self._sym(ps.shape)} for {where}, "
+                    f"got {a.ndim}-d array of shape {a.shape}")
+            for sym, n in zip(ps.shape, a.shape):
+                want = _dim_value(sym, dims)
+                if want is None:
+                    dims[sym] = n
+                elif want != n:
+                    exp = tuple(_dim_value(s, dims) if _dim_value(s, dims) is not None else s
+                                for s in ps.shape)
+                    raise ValueError(
+                        f"params[{pname!r}]: expected shape {self._sym(ps.shape)} = {exp} for "
+                        f"{where} (d_q={d_q}, d_k={d_k}), got {a.shape}")
+            a = np.array(a, dtype=dtype, copy=True, order="C")
+            if not np.all(np.isfinite(a)):
+                raise ValueError(f"params[{pname!r}]: contains NaN or infinite values")
+            a.flags.writeable = False
+            out[pname] = a
+        return out
+
+    @staticmethod
+    def _sym(shape):
+        return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+    def _describe_spec(self):
+        spec = self.params_spec or {}
+        if not spec:
+            return "no parameters"
+        return ", ".join(f"{n}: {self._sym(p.shape)}{'' if p.required else ' (optional)'}"
+                         for n, p in spec.items())
+
+    def init_params(self, d_q, d_k=None, *, rng=None, dtype=np.float64, **dims):
+        """Random parameters of the right shapes (Glorot-uniform matrices,
+        zero biases, documented defaults for scalars); extra dims such as
+        ``d_a=`` must be given.  ``rng``: a seed or np.random.Generator."""
+        spec = self.params_spec
+        if spec is None:
+            return None
+        rng = np.random.default_rng(rng)
+        d_k = d_q if d_k is None else d_k
+        all_dims = {"d_q": d_q, "d_k": d_k, **dims}
+        out = {}
+        for pname, ps in spec.items():
+            shape = []
+            for sym in ps.shape:
+                n = _dim_value(sym, all_dims)
+                if n is None:
+                    raise ValueError(f"init_params: give {sym}=... for parameter {pname!r}")
+                shape.append(n)
+            if not ps.required:
+                if ps.default is not None:
+                    out[pname] = np.full(shape, ps.default, dtype=dtype)
+                else:
+                    out[pname] = np.zeros(shape, dtype=dtype)
+                continue
+            if len(shape) == 0:
+                out[pname] = np.asarray(1.0, dtype=dtype)
+                continue
+            fan = sum(shape) if len(shape) > 1 else shape[0] + 1
+            lim = math.sqrt(6.0 / fan)
+            out[pname] = rng.uniform(-lim, lim, size=shape).astype(dtype)
+        return out
+
+    # ----------------------------------------------------------- config
+    def get_config(self) -> dict:
+        """``{"name": ..., **constructor kwargs}`` -- JSON-friendly."""
+        cfg = {"name": self.name}
+        for key in self.config_keys:
+            cfg[key] = getattr(self, key)
+        return cfg
+
+    @classmethod
+    def from_config(cls, config: dict):
+        cfg = dict(config)
+        name = cfg.pop("name", None)
+        obj = cls(**cfg)
+        if name is not None and name != obj.name:
+            obj = obj._renamed(name)
+        return obj
+
+    def _renamed(self, name):
+        other = copy.copy(self)
+        other.name = name
+        return other
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.config_keys)
+        return f"{type(self).__qualname__}({args})"
+
+    # ------------------------------------------- how attention() runs it
+    def _lower(self, query, key, params):
+        """Optional: a fast path.  Returns ``("sdpa", q2, k2, scale)`` (scores =
+        scale * q2 . k2, run by the dot kernel), ``("project_sdpa", M, k, scale)``
+        (the same with q2 = q M^T, projected by fastattn), ``("additive", W_q, W_k, b,
+        v)`` (the fused C additive kernel) or None (tiled NumPy path)."""
+        return None
+
+
+class CompiledSimilarity(Similarity):
+    """A similarity whose score tiles come from C (see ``csrc/fastattn_plugin.h``).
+
+    Subclasses set ``capsule`` to a ``PyCapsule`` named
+    ``"fastattn.score_plugin.v1"`` wrapping a ``fastattn_score_plugin``
+    struct, and may override :meth:`pack_params`, whose array's data pointer
+    is passed to the C function as ``params``.  The C function is called from
+    fastattn's worker threads without the GIL.  ``score`` (NumPy) is
+    optional; it is not used by :func:`fastattn.attention`.
+    """
+
+    capsule = None
+    same_dims = True
+
+    def pack_params(self, params, d, dtype) -> np.ndarray:
+        """A C-contiguous array whose buffer the C function reads as ``params``
+        (default: the float64 values of ``params_spec``'s entries, flattened
+        and concatenated in spec order; an empty array when there are none)."""
+        if not params:
+            return np.zeros(1, dtype=np.float64)
+        return np.ascontiguousarray(
+            np.concatenate([np.ravel(np.asarray(params[n], dtype=np.float64))
+                            for n in (self.params_spec or params) if n in params]))
+
+
+# ------------------------------------------------------------------ built-ins
+
+def _matmul_t(x, w):
+    """x @ w.T for x (..., L, a), w (b, a)."""
+    return np.matmul(x, w.T)
+
+
+class DotSimilarity(Similarity):
+    """``q . k`` (no scaling)."""
+
+    name = "dot"
+    params_spec = {}
+    same_dims = True
+
+    def score(self, query, key, params):
+        return np.matmul(query, np.swapaxes(key, -1, -2))
+
+    def _lower(self, query, key, params):
+        return ("sdpa", query, key, 1.0)
+
+
+class ScaledDotSimilarity(Similarity):
+    """``scale * q . k``, scale 1/sqrt(d) unless given."""
+
+    name = "scaled_dot"
+    params_spec = {"scale": ParamSpec((), required=False, doc="default 1/sqrt(d)")}
+    same_dims = True
+
+    @staticmethod
+    def _scale(query, params):
+        if "scale" in params:
+            return float(params["scale"])
+        d = query.shape[-1]
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+
+    def score(self, query, key, params):
+        return np.matmul(query, np.swapaxes(key, -1, -2)) * query.dtype.type(self._scale(query, params))
+
+    def _lower(self, query, key, params):
+        return ("sdpa", query, key, self._scale(query, params))
+
+
+class GeneralSimilarity(Similarity):
+    """Luong "general": ``scale * q^T W k`` with W (d_q, d_k)."""
+
+    name = "general"
+    params_spec = {
+        "W": ParamSpec(("d_q", "d_k"), doc="bilinear form"),
+        "scale": ParamSpec((), required=False, default=1.0, doc="multiplies the scores"),
+    }
+
+    def score(self, query, key, params):
+        qw = np.matmul(query, params["W"])
+        return np.matmul(qw, np.swapaxes(key, -1, -2)) * params["scale"]
+
+    def _lower(self, query, key, params):
+        # q^T W k = (q W) . k: project the queries once (q W = q (W^T)^T, by
+        # fastattn's single-thread-per-task gemm), then the dot kernel
+        return ("project_sdpa", np.ascontiguousarray(params["W"].T), key, float(params["scale"]))
+
+
+class AdditiveSimilarity(Similarity):
+    """Bahdanau: ``v . tanh(W_q q + W_k k + b)``.
+
+    ``normalize=True`` is the weight-normalised form of TF-Addons'
+    ``BahdanauAttention(normalize=True)``: ``v`` is replaced by
+    ``g * v / ||v||`` (``g`` a scalar parameter, default 1).
+    """
+
+    name = "additive"
+    config_keys = ("normalize",)
+
+    def __init__(self, normalize=False):
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize: expected a bool, got {type(normalize).__name__} {normalize!r}")
+        self.normalize = bool(normalize)
+        spec = {
+            "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
+            "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
+            "v": ParamSpec(("d_a",), doc="output vector"),
+            "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
+        }
+        if self.normalize:
+            spec["g"] = ParamSpec((), required=False, default=1.0, doc="norm of the effective v")
+        self.params_spec = spec
+
+    def _weights(self, params):
+        v = params["v"]
+        if self.normalize:
+            nrm = np.sqrt(np.sum(np.square(v, dtype=np.float64)))
+            v = (v * (float(params["g"]) / nrm if nrm > 0 else 0.0)).astype(params["v"].dtype)
+        return params["W_q"], params["W_k"], params.get("b"), v
+
+    def score(self, query, key, params):
+        wq, wk, b, v = self._weights(params)
+        qp = _matmul_t(query, wq)
+        if b is not None:
+            qp = qp + b
+        kp = _matmul_t(key, wk)
+        return np.tanh(qp[..., :, None, :] + kp[..., None, :, :]) @ v
+
+    def _lower(self, query, key, params):
+        wq, wk, b, v = self._weights(params)
+        return ("additive", wq, wk, b, v)
+
+
+class ConcatSimilarity(Similarity):
+    """Luong "concat": ``v . tanh(W [q; k] + b)``, W (d_a, d_q + d_k).
+
+    Runs as :class:`AdditiveSimilarity` with ``W_q = W[:, :d_q]`` and
+    ``W_k = W[:, d_q:]``.
+    """
+
+    name = "concat"
+    params_spec = {
+        "W": ParamSpec(("d_a", "d_q+d_k"), doc="acts on the concatenation [q; k]"),
+        "v": ParamSpec(("d_a",), doc="output vector"),
+        "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
+    }
+
+    @staticmethod
+    def _split(query, params):
+        d_q = query.shape[-1]
+        return params["W"][:, :d_q], params["W"][:, d_q:]
+
+    def score(self, query, key, params):
+        wq, wk = self._split(query, params)
+        qp = _matmul_t(query, wq)
+        if "b" in params:
+            qp = qp + params["b"]
+        kp = _matmul_t(key, wk)
+        return np.tanh(qp[..., :, None, :] + kp[..., None, :, :]) @ params["v"]
+
+    def _lower(self, query, key, params):
+        wq, wk = self._split(query, params)
+        return ("additive", wq, wk, params.get("b"), params["v"])
+
+
+class CosineSimilarity(Similarity):
+    """``beta * cos(q, k)``; rows are divided by max(||row||, eps)."""
+
+    name = "cosine"
+    params_spec = {"beta": ParamSpec((), required=False, default=1.0, doc="multiplies the cosine")}
+    same_dims = True
+    config_keys = ("eps",)
+
+    def __init__(self, eps=1e-12):
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+            raise ValueError(f"eps: expected a positive real number, got {eps!r}")
+        self.eps = float(eps)
+
+    def _normalise(self, x):
+        n = np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True))
+        return x / np.maximum(n, x.dtype.type(self.eps))
+
+    def score(self, query, key, params):
+        s = np.matmul(self._normalise(query), np.swapaxes(self._normalise(key), -1, -2))
+        return s * params["beta"]
+
+    def _lower(self, query, key, params):
+        return ("sdpa", self._normalise(query), self._normalise(key), float(params["beta"]))
+
+
+BUILTINS = (DotSimilarity, ScaledDotSimilarity, GeneralSimilarity, AdditiveSimilarity,
+            ConcatSimilarity, CosineSimilarity)
+
+
+def _register_builtins():
+    from . import registry
+
+    for cls in BUILTINS:
+        register_similarity(cls)
+    with registry._lock:
+        registry._builtin_names.update(c.name for c in BUILTINS)
+
+
+_register_builtins()

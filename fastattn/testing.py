@@ -1,0 +1,146 @@
+"""Helpers for testing and benchmarking similarities.
+
+Benchmark your similarity against the built-ins with pytest-benchmark in a
+few lines (see :func:`benchmark_similarity` and the ``docs/similarities.md``
+section "Profiling your similarity")::
+
+    # test_bench_mine.py -- run: pytest test_bench_mine.py --benchmark-only
+    import pytest
+    from fastattn.testing import benchmark_similarity
+
+    @pytest.mark.parametrize("sim", ["mine", "additive", "scaled_dot"])
+    def test_speed(benchmark, sim):
+        benchmark_similarity(benchmark, sim, batch=4, Lq=256, Lk=256, d=64)
+
+Also here: :func:`selftest_similarity`, a compiled plugin built into
+fastattn that exercises the plugin ABI (``csrc/fastattn_plugin.h``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .similarity import CompiledSimilarity, ParamSpec
+
+__all__ = ["benchmark_similarity", "check_against_oracle", "make_inputs", "selftest_similarity"]
+
+
+class _SelftestNegSqDist(CompiledSimilarity):
+    """-gamma |q - k|^2 from C (fa_selftest_plugin); ``mode`` 1/2/3 makes the C
+    function fail with code 7 / write a NaN / write +inf (for error tests)."""
+
+    name = "fastattn_selftest_neg_sq_dist"
+    params_spec = {
+        "gamma": ParamSpec((), required=False, default=1.0),
+        "mode": ParamSpec((), required=False, default=0.0),
+    }
+
+    def __init__(self):
+        from . import _scores
+
+        self.capsule = _scores.selftest_capsule()
+
+    def score(self, query, key, params):
+        diff = query[..., :, None, :] - key[..., None, :, :]
+        return -params["gamma"] * np.sum(diff * diff, axis=-1)
+
+
+def make_inputs(similarity, *, batch=1, Lq=256, Lk=None, d=64, dv=None, d_a=None,
+                dtype="float32", seed=0):
+    """Random ``(query, key, value, params)`` for a similarity.
+
+    query (batch, Lq, d), key (batch, Lk, d), value (batch, Lk, dv);
+    ``params`` from the similarity's ``init_params`` (``d_a`` defaults to d;
+    None for a similarity without ``params_spec``).  Inputs are standard
+    normal, so dot-product scores are O(sqrt(d)).
+    """
+    from .registry import get_similarity
+
+    sim = get_similarity(similarity)
+    Lk = Lq if Lk is None else Lk
+    dv = d if dv is None else dv
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, Lq, d)).astype(dt)
+    k = rng.standard_normal((batch, Lk, d)).astype(dt)
+    v = rng.standard_normal((batch, Lk, dv)).astype(dt)
+    params = sim.init_params(d, d, rng=rng, dtype=dt, d_a=d if d_a is None else d_a)
+    return q, k, v, params
+
+
+def check_against_oracle(similarity, q, k, v, params, *, rows=16, rtol=None, **kwargs):
+    """fastattn.attention on the first batch item's first ``rows`` queries
+    against the float64 oracle built from the similarity's own NumPy
+    ``score`` on float64 inputs (dense; so kept small).  Returns the max
+    error relative to max |reference|; raises AssertionError above ``rtol``
+    (default 1e-5 for float32, 1e-10 for float64)."""
+    from . import _reference
+    from ._attention import attention
+    from .registry import get_similarity
+
+    sim = get_similarity(similarity)
+    qs, ks, vs = q[:1, :rows], k[:1], v[:1]
+    got = attention(qs, ks, vs, sim, params=params, **kwargs)
+    p64 = sim.check_params(params, q.shape[-1], k.shape[-1], np.float64) \
+        if sim.params_spec is not None else params
+    ref = _reference.attention(qs, ks, vs, lambda a, b: sim.score(a, b, p64),
+                               kwargs.get("attn_mask"), kwargs.get("is_causal", False),
+                               causal_alignment=kwargs.get("causal_alignment", "top_left"))
+    err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
+    if rtol is None:
+        rtol = 1e-5 if got.dtype == np.float32 else 1e-10
+    if not err <= rtol:
+        raise AssertionError(f"similarity {sim.name!r}: relative error {err:.3g} > {rtol:g}")
+    return err
+
+
+def benchmark_similarity(benchmark, similarity, *, batch=1, Lq=256, Lk=None, d=64, dv=None,
+                         d_a=None, dtype="float32", params=None, seed=0, check=True,
+                         rounds=None, **attention_kwargs):
+    """Time ``fastattn.attention`` with one similarity under pytest-benchmark.
+
+    ``benchmark`` is pytest-benchmark's fixture; ``similarity`` a registered
+    name or a Similarity.  Inputs come from :func:`make_inputs` (``params``
+    overrides the random parameters); other keyword arguments
+    (``attn_mask``, ``is_causal``, ``n_threads``, ...) go to
+    ``fastattn.attention``.  With ``check`` the result is first compared with
+    the float64 oracle (:func:`check_against_oracle`, outside the timing).
+    Calls slower than 20 ms are timed with ``benchmark.pedantic`` (1 warm-up,
+    then ``rounds`` rounds, default 3-15 within ~3 s).  The similarity's name,
+    shape, dtype and kernel path go into ``benchmark.extra_info``.  Returns
+    the last result.
+    """
+    import time
+
+    from ._attention import attention, attention_path
+    from .registry import get_similarity
+
+    sim = get_similarity(similarity)
+    q, k, v, P = make_inputs(sim, batch=batch, Lq=Lq, Lk=Lk, d=d, dv=dv, d_a=d_a,
+                             dtype=dtype, seed=seed)
+    if params is not None:
+        P = params
+    if check:
+        check_against_oracle(sim, q, k, v, P, **{kk: vv for kk, vv in attention_kwargs.items()
+                                                 if kk not in ("out",)})
+
+    def run():
+        return attention(q, k, v, sim, params=P, **attention_kwargs)
+
+    benchmark.extra_info.update(
+        kind="similarity", similarity=sim.name, sim_shape=[batch, Lq, k.shape[1], d],
+        dtype=np.dtype(dtype).name, impl="fastattn",
+        path=attention_path(q, k, v, sim, params=P, **attention_kwargs))
+    run()
+    t0 = time.perf_counter()
+    run()
+    one = time.perf_counter() - t0
+    if one < 0.02 and rounds is None:
+        return benchmark(run)
+    n = rounds if rounds is not None else int(min(15, max(3, 3.0 / max(one, 1e-9))))
+    return benchmark.pedantic(run, rounds=n, iterations=1, warmup_rounds=1)
+
+
+def selftest_similarity():
+    """A :class:`~fastattn.CompiledSimilarity` backed by fastattn's own C
+    self-test plugin (not registered)."""
+    return _SelftestNegSqDist()
