@@ -123,7 +123,7 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
     if want_weights or Lq <= DIRECT_MAX_ROWS or (Lk <= SINGLE_PASS_MAX_KEYS and not own):
         path, bk = _PATH_SINGLE, Lk
     else:
-        path, bk = _PATH_STREAM, min(BLOCK_K, Lk)
+        path, bk = _PATH_STREAM, max(1, min(BLOCK_K, Lk))  # Lk = 0: no tiles, zeros
     if not causal or (path == _PATH_STREAM and own):
         # our products skip the keys above the diagonal per block of 6 rows:
         # causal needs no smaller query blocks (measured: 256-row blocks

@@ -340,6 +340,10 @@ ZERO_CASES = {
     "d0_dv0": ((2, 3, 0), (2, 5, 0), (2, 5, 0)),
     "Lk0_d0": ((2, 3, 0), (2, 0, 0), (2, 0, 6)),
     "d0_stream": ((1, 3, 0), (1, 600, 0), (1, 600, 2)),
+    # more than 4 queries: the streaming path (with SIMD) with no key tile at all
+    "Lk0_stream": ((3, 70, 4), (3, 0, 4), (3, 0, 3)),
+    "Lk0_d0_stream": ((1, 2, 9, 0), (1, 2, 0, 0), (1, 2, 0, 5)),
+    "d0_many_q": ((2, 9, 0), (2, 7, 0), (2, 7, 3)),
 }
 
 
