@@ -2,20 +2,18 @@
  * Fused additive (Bahdanau / Luong concat) attention and the streaming loop
  * for compiled similarity plugins (fa_additive.h).
  *
- * Vectorised tanh (float, AVX2/FMA, chosen at run time like fa_simd.c):
- * Eigen's rational minimax approximation tanh(x) ~ x P(x^2) / Q(x^2)
- * (P of degree 6, Q of degree 3 in x^2) on x clamped to +-7.9988, and x
- * itself for |x| < 4e-4.  Measured against float64 tanh on every float in
- * [-10, 10] step 2^-12 plus 10^6 random inputs (tests/test_additive_kernel.py):
- * max error 4.6 ulp of the result, 2.8e-7 relative and absolute (worst near
- * |x| = 3.8, where results are close to 1); the test pins <= 5 ulp and
- * <= 3e-7 relative.  tanh(+-inf) = +-1, tanh(+-0) = +-0, NaN stays NaN.
- * Doubles (AVX2): a Pade approximant below |x| = 0.625, exp above (see
- * tanh4_f64): <= 3 ulp against mpmath (pinned by the test).
+ * Vectorised tanh (AVX2/FMA, chosen at run time like fa_simd.c), the same
+ * construction in both precisions: below |x| = 0.625 an odd polynomial
+ * (float: x + x^3 P(x^2), P of degree 4 fitted for least maximum relative
+ * error; double: the [9/8] Pade approximant), above it 1 - 2 / (exp(2|x|) + 1)
+ * with our own exp (Cody-Waite reduction and polynomial, as in fa_simd.c).
+ * Bounds are measured and pinned by tests/test_additive_kernel.py (float
+ * against float64 tanh on a dense grid of [-10, 10] plus random inputs, double
+ * against mpmath).  tanh(+-inf) = +-1, tanh(+-0) = +-0, NaN stays NaN.
  * Each score is a sum of d_a such terms times v_a, so its absolute error is
- * about 3e-7 * sum_a |v_a| plus the float32 summation error.
- * The scalar fallback uses libm's tanhf / tanh.  The scalar fallback and float64 use libm's
- * tanhf / tanh (< 1 ulp).  No -ffast-math: masks rely on -inf.
+ * about (bound) * sum_a |v_a| plus the summation error.
+ * The scalar fallback uses libm's tanhf / tanh.  No -ffast-math: masks rely
+ * on -inf.
  */
 #define _POSIX_C_SOURCE 200112L
 #include <math.h>
@@ -160,26 +158,42 @@ void fa_pv_acc_f64(int64_t m, int64_t dv, int64_t n, const double *P, int64_t ld
 /* ---------------------------------------------------------------- tanh */
 
 #if FA_ADD_AVX2
-AVX2 static inline __m256 tanh8_f32(__m256 x0)
+AVX2 static inline __m256 tanh8_f32(__m256 x)
 {
-    const __m256 clamp = _mm256_set1_ps(7.99881172180175781f);
-    const __m256 nclamp = _mm256_set1_ps(-7.99881172180175781f);
-    /* constant first: a NaN x0 comes through both unchanged */
-    __m256 x = _mm256_min_ps(clamp, _mm256_max_ps(nclamp, x0));
-    __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x0);
-    __m256 tiny = _mm256_cmp_ps(ax, _mm256_set1_ps(0.0004f), _CMP_LT_OQ);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(sign, x);
+    /* |x| < 0.625: tanh(x) = x + x^3 P(x^2), P of degree 4 fitted here for
+     * least maximum relative error (4.4e-9 in exact arithmetic) */
     __m256 x2 = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_fmadd_ps(x2, _mm256_set1_ps(-2.76076847742355e-16f), _mm256_set1_ps(2.00018790482477e-13f));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-8.60467152213735e-11f));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(5.12229709037114e-08f));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(1.48572235717979e-05f));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(6.37261928875436e-04f));
-    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(4.89352455891786e-03f));
-    p = _mm256_mul_ps(x, p);
-    __m256 q = _mm256_fmadd_ps(x2, _mm256_set1_ps(1.19825839466702e-06f), _mm256_set1_ps(1.18534705686654e-04f));
-    q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(2.26843463243900e-03f));
-    q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(4.89352518554385e-03f));
-    return _mm256_blendv_ps(_mm256_div_ps(p, q), x0, tiny);
+    __m256 p = _mm256_fmadd_ps(x2, _mm256_set1_ps(-0.00570508511736989f), _mm256_set1_ps(0.020639173686504364f));
+    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-0.05373974144458771f));
+    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(0.13331443071365356f));
+    p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-0.3333328068256378f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x2, x), p, x);
+    small = _mm256_or_ps(small, _mm256_and_ps(sign, x));  /* tanh(-0) = -0 */
+    /* otherwise 1 - 2 / (exp(2|x|) + 1) with the sign of x; exp as in
+     * fa_simd.c (Cody-Waite reduction, degree-6 polynomial) on 2|x| clamped to
+     * [1.25, 18.1], where the result is 1 in float; a NaN x stays NaN
+     * (min/max with the constant first) */
+    __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.0f),
+                             _mm256_min_ps(_mm256_set1_ps(9.05f), _mm256_max_ps(_mm256_set1_ps(0.625f), a)));
+    const __m256 magic = _mm256_set1_ps(12582912.0f); /* 1.5 * 2^23 */
+    __m256 t = _mm256_fmadd_ps(z, _mm256_set1_ps(1.44269504088896341f), magic);
+    __m256 n = _mm256_sub_ps(t, magic);
+    __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), z);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 e = _mm256_set1_ps(1.381461275741458e-3f);
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(8.368710055947304e-3f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(4.166838899254799e-2f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.666652113199234e-1f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(4.999999403953552e-1f));
+    e = _mm256_add_ps(_mm256_fmadd_ps(e, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    e = _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    big = _mm256_or_ps(big, _mm256_and_ps(sign, x));
+    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
 }
 
 AVX2 static void tanh_f32_avx2(const float *x, float *y, int64_t n)
@@ -498,17 +512,48 @@ void fa_add_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_f
 
 /* BLAS is held at one thread while our tasks call it.  The hook OpenBLAS
  * offers (openblas_set_num_threads_local) acts process-wide in the pthreads
- * builds SciPy ships (measured), so calls that overlap (an app's threads)
- * share one count: the first one in saves the setting, the last one out
- * restores it; each call leaves through the hook it entered with.
- * (fastattn._kernels keeps its own count for its calls; merging the two is
- * left for when both extensions share one BLAS helper.) */
+ * builds SciPy ships (measured), so every fastattn call that holds it must
+ * share ONE count (the first one in saves the setting, the last one out
+ * restores it): with a count per extension, overlapping calls could restore
+ * each other's "1" for good.  fastattn._kernels owns that count and the
+ * worker pool; fa_add_set_runtime hands their entry points over (by address,
+ * from Python at import).  Without them (symbols not found), this file falls
+ * back to its own count and pool copy. */
+static fa_add_pool_run_fn g_rt_pool_run = NULL;
+static fa_add_hold_enter_fn g_rt_enter = NULL;
+static fa_add_hold_exit_fn g_rt_exit = NULL;
+
+void fa_add_set_runtime(fa_add_pool_run_fn pool_run, fa_add_hold_enter_fn enter,
+                        fa_add_hold_exit_fn exit_)
+{
+    if (!pool_run || !enter || !exit_) {
+        g_rt_pool_run = NULL;
+        g_rt_enter = NULL;
+        g_rt_exit = NULL;
+        return;
+    }
+    g_rt_enter = enter;
+    g_rt_exit = exit_;
+    g_rt_pool_run = pool_run;
+}
+
+int fa_add_runtime_shared(void) { return g_rt_pool_run != NULL; }
+
+static int add_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx)
+{
+    if (g_rt_pool_run)
+        return g_rt_pool_run(ntasks, nthreads, fn, ctx, NULL, NULL);
+    return fa_pool_run(ntasks, nthreads, fn, ctx, NULL, NULL);
+}
+
 static pthread_mutex_t g_add_blas_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_add_blas_users = 0;
 static int g_add_blas_saved = -1;
 
 static fa_blas_set_threads_fn add_blas_enter(void)
 {
+    if (g_rt_enter)
+        return g_rt_enter();
     fa_blas_set_threads_fn hook = __atomic_load_n(&g_add_threads, __ATOMIC_ACQUIRE);
     if (!hook)
         return NULL;
@@ -521,6 +566,10 @@ static fa_blas_set_threads_fn add_blas_enter(void)
 
 static void add_blas_exit(fa_blas_set_threads_fn hook)
 {
+    if (g_rt_exit) {
+        g_rt_exit(hook);
+        return;
+    }
     if (!hook)
         return;
     pthread_mutex_lock(&g_add_blas_lock);
@@ -531,6 +580,10 @@ static void add_blas_exit(fa_blas_set_threads_fn hook)
 
 static void add_blas_atfork_child(void)
 {
+    /* as fa_sdpa.c: a call running in the parent does not exist here */
+    fa_blas_set_threads_fn hook = __atomic_load_n(&g_add_threads, __ATOMIC_ACQUIRE);
+    if (g_add_blas_users > 0 && g_add_blas_saved > 0 && hook)
+        hook(g_add_blas_saved);
     pthread_mutex_init(&g_add_blas_lock, NULL);
     g_add_blas_users = 0;
 }
@@ -574,7 +627,7 @@ static void add_blas_atfork_child(void)
         proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da};                        \
         int64_t ntasks = (n + FA_PROJ_ROWS - 1) / FA_PROJ_ROWS;                          \
         fa_blas_set_threads_fn hook = add_blas_enter();                                  \
-        fa_pool_run(ntasks, n_threads, proj_task_##SFX, &j, NULL, NULL);                 \
+        add_pool_run(ntasks, n_threads, proj_task_##SFX, &j);                            \
         add_blas_exit(hook);                                                             \
         return FA_OK;                                                                    \
     }

@@ -92,4 +92,14 @@ void fa_tanh_f64(const double *x, double *y, int64_t n);
  * mode 0: normal, 1: return error code 7, 2: a NaN score, 3: a +inf score. */
 const fastattn_score_plugin *fa_selftest_plugin(void);
 
+/* Share fastattn._kernels' worker pool and BLAS hold (see fa_additive.c);
+ * all NULL: use this extension's own. */
+typedef int (*fa_add_pool_run_fn)(int64_t ntasks, int nthreads, void (*fn)(void *, int64_t, int),
+                                  void *ctx, int (*stop)(void *), void *stop_ctx);
+typedef fa_blas_set_threads_fn (*fa_add_hold_enter_fn)(void);
+typedef void (*fa_add_hold_exit_fn)(fa_blas_set_threads_fn hook);
+void fa_add_set_runtime(fa_add_pool_run_fn pool_run, fa_add_hold_enter_fn enter,
+                        fa_add_hold_exit_fn exit_);
+int fa_add_runtime_shared(void);
+
 #endif

@@ -241,7 +241,7 @@ int FN(fa_tiled_attention)(fa_tiled_args *a)
     j.scratch = (REAL *)add_arena(elems * sizeof(REAL) * (size_t)nt);
     if (!j.scratch)
         return FA_ENOMEM;
-    fa_pool_run(ntasks, nt, FN(run), &j, NULL, NULL);
+    add_pool_run(ntasks, nt, FN(run), &j);
     return j.status;
 }
 

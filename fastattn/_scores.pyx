@@ -50,6 +50,12 @@ cdef extern from "fa_additive.h" nogil:
                                  double*, int*, double*, double*, int*)
     ctypedef int (*fa_blas_set_threads_fn)(int)
     void fa_add_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
+    ctypedef int (*fa_add_pool_run_fn)(int64_t, int, void (*)(void *, int64_t, int), void *,
+                                       int (*)(void *), void *)
+    ctypedef fa_blas_set_threads_fn (*fa_add_hold_enter_fn)()
+    ctypedef void (*fa_add_hold_exit_fn)(fa_blas_set_threads_fn)
+    void fa_add_set_runtime(fa_add_pool_run_fn, fa_add_hold_enter_fn, fa_add_hold_exit_fn)
+    int fa_add_runtime_shared()
     int fa_project_f32(const float *X, int64_t ldx, int64_t n, int64_t d, const float *W,
                        int64_t ldw, int64_t da, const float *b, float *Y, int64_t ldy, int n_threads)
     int fa_project_f64(const double *X, int64_t ldx, int64_t n, int64_t d, const double *W,
@@ -80,6 +86,21 @@ PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
 
 
 fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit):
+    """Use fastattn._kernels' worker pool and BLAS hold (C addresses of fa_pool_run,
+    fa_blas_threads_enter, fa_blas_threads_exit); 0s: this extension's own."""
+    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
+        fa_add_set_runtime(NULL, NULL, NULL)
+    else:
+        fa_add_set_runtime(<fa_add_pool_run_fn>pool_run, <fa_add_hold_enter_fn>hold_enter,
+                           <fa_add_hold_exit_fn>hold_exit)
+
+
+def runtime_shared():
+    """True when the pool and the BLAS hold are _kernels' (one count, one pool per process)."""
+    return bool(fa_add_runtime_shared())
 
 
 def set_blas_threads_hook(uintptr_t address):

@@ -27,21 +27,23 @@ def _tanh(x):
 
 
 def test_tanh_float32_error_bound(simd_mode):
-    """The documented bound: <= 5 ulp and <= 3e-7 relative, on a dense grid."""
+    """The documented bound: <= 2 ulp and <= 2e-7 relative, on a dense grid."""
     rng = np.random.default_rng(1)
     x = np.concatenate([
         np.arange(-10, 10, 2.0 ** -12, dtype=np.float32),
         (rng.standard_normal(10 ** 6) * 3).astype(np.float32),
-        (rng.random(10 ** 5) * 1e-3).astype(np.float32),   # around the |x| < 4e-4 switch
+        (rng.random(10 ** 5) * 1e-3).astype(np.float32),   # tiny arguments
+        np.float32(0.625) + (rng.random(10 ** 5) - 0.5).astype(np.float32) * 1e-3,  # the switch
         np.float32([1e-30, -1e-30, 1e-45, 7.9988, 8, -8, 9, 20, -20, 3e38, -3e38]),
     ])
     y = _tanh(x)
     ref = np.tanh(x.astype(np.float64))
     err = np.abs(y.astype(np.float64) - ref)
     ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
-    assert (err / ulp).max() <= 5.0
+    # ours (AVX2) <= 2 ulp; libm's tanhf (the scalar fallback) measured 2.13 here
+    assert (err / ulp).max() <= (2.0 if fastattn.simd_active() else 3.0)
     nz = ref != 0
-    assert (err[nz] / np.abs(ref[nz])).max() <= 3e-7
+    assert (err[nz] / np.abs(ref[nz])).max() <= 2e-7
     assert np.all(np.abs(y) <= 1)
     assert np.all(np.sign(y) == np.sign(x))  # odd, never flips sign
 

@@ -349,3 +349,40 @@ def test_first_parallel_call_gets_its_worker():
     workers, helped = map(int, r.stdout.split())
     assert workers == 1
     assert helped >= 1  # 32 tasks of ~0.5 ms each: the worker ran some of them
+
+
+def test_blas_threads_restored_with_sdpa_and_additive_overlapping(rng):
+    """SDPA (BLAS tiles) and the additive / general similarities hold BLAS through one
+    shared count and one pool: overlapping calls from two threads leave the setting
+    as it was (with a count per extension one call could restore another's 1)."""
+    from fastattn import _attention, _kernels, _scores
+
+    assert _attention._install_runtime() and _scores.runtime_shared()
+    get = _blas_get_threads()
+    assert get is not None
+    before = get()
+    q = randn(rng, (4, 512, 64), np.float32)
+    params = fastattn.get_similarity("additive").init_params(64, 64, d_a=64, rng=0,
+                                                             dtype=np.float32)
+    eye = {"W": np.eye(64, dtype=np.float32)}
+    was = _kernels.simd_active()
+    _kernels.set_simd_disabled(True)  # SDPA through BLAS tiles, holding BLAS
+    try:
+        def sdpa_loop():
+            for _ in range(40):
+                sdpa(q, q, q, n_threads=2)
+
+        def other_loop():
+            for _ in range(20):
+                fastattn.attention(q[:1, :256], q[:1, :256], q[:1, :256], "additive",
+                                   params=params, n_threads=2)
+                fastattn.attention(q, q, q, "general", params=eye, n_threads=2)
+
+        ts = [threading.Thread(target=sdpa_loop), threading.Thread(target=other_loop)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        _kernels.set_simd_disabled(not was)
+    assert get() == before
