@@ -59,6 +59,14 @@ PAD = 8
 PARALLEL_MIN_WORK = 1 << 17
 
 
+def selftest_capsule():
+    """The PyCapsule of the C self-test plugin compiled into fastattn (for
+    :mod:`fastattn.testing`, which must not reach the kernels itself)."""
+    if _scores is None:  # pragma: no cover - only while the extension is not built
+        raise ImportError("fastattn._scores is not built: no compiled self-test plugin")
+    return _scores.selftest_capsule()
+
+
 class SimilarityError(RuntimeError):
     """A similarity's score function failed (raised, or returned bad scores)."""
 
