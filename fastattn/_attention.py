@@ -31,7 +31,7 @@ from . import _threads, functional as _functional
 from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
 from .registry import get_similarity
 from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity,
-                         Similarity)
+                         Similarity, _fits)
 
 try:
     from . import _scores
@@ -252,6 +252,17 @@ def _score_tile(sim, qt, kt, params, cdt):
         raise TypeError(
             f"similarity {sim.name!r}: score returned dtype {s.dtype}, expected a real "
             f"floating dtype (float32 or float64)")
+    if s.dtype != cdt and s.dtype.itemsize > cdt.itemsize:
+        # check before narrowing: a cast would turn huge finite scores into inf
+        # (with a RuntimeWarning) and blame them on the plugin as "+inf"
+        with np.errstate(invalid="ignore"):
+            bad = np.isnan(s).any() or np.isposinf(s).any()
+        if not bad and not _fits(s, cdt):
+            big = float(np.max(np.abs(s), where=np.isfinite(s), initial=0))
+            raise ValueError(
+                f"similarity {sim.name!r}: score returned values out of {cdt.name} range "
+                f"(the compute dtype; max {np.finfo(cdt).max:.4g}), got max |score| {big:.4g} "
+                f"in {s.dtype}")
     s = s.astype(cdt, copy=True)
     with np.errstate(invalid="ignore"):
         bad = np.isnan(s).any() or np.isposinf(s).any()

@@ -63,19 +63,46 @@ _NO_DEFAULT = object()
 
 
 class ParamSpec:
-    """One parameter: symbolic shape, whether required, its default, a docstring."""
+    """One parameter: symbolic shape, whether required, its default, a docstring.
 
-    __slots__ = ("shape", "required", "default", "doc")
+    ``default`` (a scalar, for scalar parameters) is filled in by
+    :meth:`Similarity.check_params` when the parameter is not given.
+    ``zero_default=True`` says an optional array parameter left out acts as
+    zeros (a bias): :meth:`Similarity.init_params` then gives zeros.  An
+    optional parameter with neither (e.g. ``scaled_dot``'s ``scale``, whose
+    default depends on the inputs) is left out of ``init_params``'s dict.
+    Immutable (similarities share their specs with every caller).
+    """
 
-    def __init__(self, shape, required=True, default=None, doc=""):
-        self.shape = tuple(shape)
-        self.required = required
-        self.default = default
-        self.doc = doc
+    __slots__ = ("shape", "required", "default", "doc", "zero_default")
+
+    def __init__(self, shape, required=True, default=None, doc="", zero_default=False):
+        for attr, val in (("shape", tuple(shape)), ("required", required), ("default", default),
+                          ("doc", doc), ("zero_default", bool(zero_default))):
+            object.__setattr__(self, attr, val)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ParamSpec is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"ParamSpec is immutable: cannot delete {name!r}")
 
     def __repr__(self):
         return (f"ParamSpec(shape={self.shape!r}, required={self.required!r}, "
                 f"default={self.default!r})")
+
+
+def _fits(a, dtype) -> bool:
+    """True when every (finite) value of the real array ``a`` is within the
+    range of the float ``dtype``, so that casting it cannot overflow."""
+    dtype = np.dtype(dtype)
+    if a.dtype.kind == "f" and a.dtype.itemsize <= dtype.itemsize:
+        return True
+    if a.dtype.kind in "iu" and dtype.itemsize >= 4:
+        return True  # |int64| < 9.3e18 < float32 max
+    big = np.max(np.abs(a.astype(np.float64) if a.dtype.kind in "iu" else a),
+                 where=np.isfinite(a), initial=0)
+    return bool(big <= np.finfo(dtype).max)
 
 
 def _dim_value(sym, dims):
@@ -142,6 +169,12 @@ class Similarity:
         if not isinstance(params, dict):
             raise TypeError(
                 f"params: expected a dict of arrays for {where}, got {type(params).__name__}")
+        bad_keys = [key for key in params if not isinstance(key, str)]
+        if bad_keys:
+            raise TypeError(
+                f"params: keys must be str (parameter names) for {where}, got "
+                f"{', '.join(f'{type(key).__name__} {key!r}' for key in bad_keys)}; expected "
+                f"{self._describe_spec()}")
         unknown = sorted(set(params) - set(spec))
         if unknown:
             raise ValueError(
@@ -180,9 +213,14 @@ class Similarity:
                     raise ValueError(
                         f"params[{pname!r}]: expected shape {self._sym(ps.shape)} = {exp} for "
                         f"{where} (d_q={d_q}, d_k={d_k}), got {a.shape}")
-            a = np.array(a, dtype=dtype, copy=True, order="C")
-            if not np.all(np.isfinite(a)):
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
                 raise ValueError(f"params[{pname!r}]: contains NaN or infinite values")
+            if a.size and not _fits(a, dtype):
+                raise ValueError(
+                    f"params[{pname!r}]: values out of {np.dtype(dtype).name} range (the "
+                    f"compute dtype of query/key/value; max {np.finfo(dtype).max:.4g}), got "
+                    f"max |value| {float(np.max(np.abs(a.astype(np.float64)))):.4g}")
+            a = np.array(a, dtype=dtype, copy=True, order="C")
             a.flags.writeable = False
             out[pname] = a
         return out
@@ -200,7 +238,9 @@ class Similarity:
 
     def init_params(self, d_q, d_k=None, *, rng=None, dtype=np.float64, **dims):
         """Random parameters of the right shapes (Glorot-uniform matrices,
-        zero biases, documented defaults for scalars); extra dims such as
+        zero biases, documented defaults for scalars; an optional parameter
+        without a fixed default, such as ``scaled_dot``'s ``scale`` =
+        1/sqrt(d), is left out so that its default applies); extra dims such as
         ``d_a=`` must be given.  ``rng``: a seed or np.random.Generator."""
         spec = self.params_spec
         if spec is None:
@@ -219,8 +259,9 @@ class Similarity:
             if not ps.required:
                 if ps.default is not None:
                     out[pname] = np.full(shape, ps.default, dtype=dtype)
-                else:
+                elif ps.zero_default:
                     out[pname] = np.zeros(shape, dtype=dtype)
+                # else: no fixed default (it depends on the inputs): leave it out
                 continue
             if len(shape) == 0:
                 out[pname] = np.asarray(1.0, dtype=dtype)
@@ -370,7 +411,8 @@ class AdditiveSimilarity(Similarity):
             "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
             "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
             "v": ParamSpec(("d_a",), doc="output vector"),
-            "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
+            "b": ParamSpec(("d_a",), required=False, zero_default=True,
+                       doc="bias inside the tanh (default 0)"),
         }
         if self.normalize:
             spec["g"] = ParamSpec((), required=False, default=1.0, doc="norm of the effective v")
@@ -407,7 +449,8 @@ class ConcatSimilarity(Similarity):
     params_spec = {
         "W": ParamSpec(("d_a", "d_q+d_k"), doc="acts on the concatenation [q; k]"),
         "v": ParamSpec(("d_a",), doc="output vector"),
-        "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
+        "b": ParamSpec(("d_a",), required=False, zero_default=True,
+                       doc="bias inside the tanh (default 0)"),
     }
 
     @staticmethod
