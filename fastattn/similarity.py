@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import types
 
 import numpy as np
 
@@ -141,6 +142,28 @@ class Similarity:
     config_keys: tuple = ()
     #: d_q must equal d_k (dot-like similarities)
     same_dims: bool = False
+    #: set by :meth:`_freeze` (the registered built-ins): no attribute can be
+    #: set or deleted any more, since every caller shares the object
+    _frozen: bool = False
+
+    def __setattr__(self, attr, value):
+        if self._frozen:
+            raise AttributeError(
+                f"{type(self).__qualname__} {self.name!r} is a shared, read-only similarity: "
+                f"cannot set {attr!r} (make your own instance instead, e.g. "
+                f"{type(self).__qualname__}(...))")
+        object.__setattr__(self, attr, value)
+
+    def __delattr__(self, attr):
+        if self._frozen:
+            raise AttributeError(
+                f"{type(self).__qualname__} {self.name!r} is a shared, read-only similarity: "
+                f"cannot delete {attr!r}")
+        object.__delattr__(self, attr)
+
+    def _freeze(self):
+        object.__setattr__(self, "_frozen", True)
+        return self
 
     # ------------------------------------------------------------ the math
     def score(self, query, key, params):
@@ -290,7 +313,7 @@ class Similarity:
 
     def _renamed(self, name):
         other = copy.copy(self)
-        other.name = name
+        object.__setattr__(other, "name", name)
         return other
 
     def __repr__(self):
@@ -342,7 +365,7 @@ class DotSimilarity(Similarity):
     """``q . k`` (no scaling)."""
 
     name = "dot"
-    params_spec = {}
+    params_spec = types.MappingProxyType({})
     same_dims = True
 
     def score(self, query, key, params):
@@ -356,7 +379,8 @@ class ScaledDotSimilarity(Similarity):
     """``scale * q . k``, scale 1/sqrt(d) unless given."""
 
     name = "scaled_dot"
-    params_spec = {"scale": ParamSpec((), required=False, doc="default 1/sqrt(d)")}
+    params_spec = types.MappingProxyType(
+        {"scale": ParamSpec((), required=False, doc="default 1/sqrt(d)")})
     same_dims = True
 
     @staticmethod
@@ -377,10 +401,10 @@ class GeneralSimilarity(Similarity):
     """Luong "general": ``scale * q^T W k`` with W (d_q, d_k)."""
 
     name = "general"
-    params_spec = {
+    params_spec = types.MappingProxyType({
         "W": ParamSpec(("d_q", "d_k"), doc="bilinear form"),
         "scale": ParamSpec((), required=False, default=1.0, doc="multiplies the scores"),
-    }
+    })
 
     def score(self, query, key, params):
         qw = np.matmul(query, params["W"])
@@ -402,21 +426,34 @@ class AdditiveSimilarity(Similarity):
 
     name = "additive"
     config_keys = ("normalize",)
+    _SPEC = {
+        "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
+        "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
+        "v": ParamSpec(("d_a",), doc="output vector"),
+        "b": ParamSpec(("d_a",), required=False, zero_default=True,
+                       doc="bias inside the tanh (default 0)"),
+    }
+    _SPECS = {
+        False: types.MappingProxyType(dict(_SPEC)),
+        True: types.MappingProxyType(
+            {**_SPEC, "g": ParamSpec((), required=False, default=1.0, doc="norm of the effective v")}),
+    }
+    del _SPEC
 
     def __init__(self, normalize=False):
         if not isinstance(normalize, (bool, np.bool_)):
             raise TypeError(f"normalize: expected a bool, got {type(normalize).__name__} {normalize!r}")
-        self.normalize = bool(normalize)
-        spec = {
-            "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
-            "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
-            "v": ParamSpec(("d_a",), doc="output vector"),
-            "b": ParamSpec(("d_a",), required=False, zero_default=True,
-                       doc="bias inside the tanh (default 0)"),
-        }
-        if self.normalize:
-            spec["g"] = ParamSpec((), required=False, default=1.0, doc="norm of the effective v")
-        self.params_spec = spec
+        object.__setattr__(self, "_normalize", bool(normalize))
+
+    @property
+    def normalize(self) -> bool:
+        """Weight-normalised form (read-only: make a new AdditiveSimilarity to change it)."""
+        return self._normalize
+
+    @property
+    def params_spec(self):
+        """Read-only; has ``g`` exactly when :attr:`normalize` is set."""
+        return self._SPECS[self._normalize]
 
     def _weights(self, params):
         v = params["v"]
@@ -446,12 +483,12 @@ class ConcatSimilarity(Similarity):
     """
 
     name = "concat"
-    params_spec = {
+    params_spec = types.MappingProxyType({
         "W": ParamSpec(("d_a", "d_q+d_k"), doc="acts on the concatenation [q; k]"),
         "v": ParamSpec(("d_a",), doc="output vector"),
         "b": ParamSpec(("d_a",), required=False, zero_default=True,
                        doc="bias inside the tanh (default 0)"),
-    }
+    })
 
     @staticmethod
     def _split(query, params):
@@ -475,14 +512,20 @@ class CosineSimilarity(Similarity):
     """``beta * cos(q, k)``; rows are divided by max(||row||, eps)."""
 
     name = "cosine"
-    params_spec = {"beta": ParamSpec((), required=False, default=1.0, doc="multiplies the cosine")}
+    params_spec = types.MappingProxyType(
+        {"beta": ParamSpec((), required=False, default=1.0, doc="multiplies the cosine")})
     same_dims = True
     config_keys = ("eps",)
 
     def __init__(self, eps=1e-12):
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
             raise ValueError(f"eps: expected a positive real number, got {eps!r}")
-        self.eps = float(eps)
+        object.__setattr__(self, "_eps", float(eps))
+
+    @property
+    def eps(self) -> float:
+        """Floor of the row norms (read-only)."""
+        return self._eps
 
     def _normalise(self, x):
         n = np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True))
@@ -504,7 +547,7 @@ def _register_builtins():
     from . import registry
 
     for cls in BUILTINS:
-        register_similarity(cls)
+        register_similarity(cls()._freeze())
     with registry._lock:
         registry._builtin_names.update(c.name for c in BUILTINS)
 
