@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from . import _threads, functional as _functional
+from . import _threads, _validation, functional as _functional
 from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
 from .registry import get_similarity
 from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity,
@@ -93,6 +93,13 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
                 f"{name}: expected an array with at least 2 dims (..., L, features), "
                 f"got {a.ndim}-d array of shape {a.shape}")
     d_q, d_k = q.shape[-1], k.shape[-1]
+    # SDPA's own size checks below run on one-feature stand-ins: the real
+    # feature sizes are BLAS dimensions / leading dimensions of the projections
+    for name, what, n in (("query", "d_q", d_q), ("key", "d_k", d_k)):
+        if n > _validation.BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}: feature size {what}={n} exceeds the BLAS 32-bit integer range "
+                f"(max {_validation.BLAS_INT_MAX})")
     if sim.same_dims and d_q != d_k:
         raise ValueError(
             f"key: expected last dim {d_q} (query's feature size d; similarity {sim.name!r} "
@@ -453,6 +460,10 @@ def _run_fused(c, res, weights):
             kx = np.zeros(c.k.shape[:-1] + (1,), cdt)
     else:
         _, wq, wk, b, vvec = c.lowered
+        if _pad(wq.shape[0]) > _validation.BLAS_INT_MAX:
+            raise ValueError(
+                f"params: attention size d_a={wq.shape[0]} (padded to {_pad(wq.shape[0])}) "
+                f"exceeds the BLAS 32-bit integer range (max {_validation.BLAS_INT_MAX})")
         _ensure_blas_hook()
         qx = _project(c.q, wq, b, cdt, nt)
         kx = _project(c.k, wk, None, cdt, nt)

@@ -212,3 +212,50 @@ def test_float32_params_out_of_range_say_so(qkv):
     # the same values are fine in a float64 call
     P["v"] = np.full(5, 1e39)
     assert np.all(np.isfinite(fastattn.attention(*qkv, "additive", params=P)))
+
+
+@pytest.mark.parametrize("sim", ["dot", "general", "additive", "concat", "cosine", "numpy", "compiled"])
+def test_feature_size_checked_against_the_blas_limit(sim, rng):
+    """d is a BLAS dimension (projections, leading dims), never seen by SDPA's
+    checks (they run on one-feature stand-ins): 2**31 features, by a
+    zero-stride view (no memory), are refused before anything is copied."""
+    from fastattn import testing
+    from fastattn._validation import BLAS_INT_MAX
+
+    class Dot(fastattn.Similarity):
+        name = "numpy_dot"
+        same_dims = True
+
+        def score(self, query, key, params):
+            return query @ np.swapaxes(key, -1, -2)
+
+    d = BLAS_INT_MAX + 1
+    sims = {"numpy": Dot(), "compiled": testing.selftest_similarity()}
+    huge = np.broadcast_to(np.float32(0.5), (3, d))
+    v = np.ones((3, 2), np.float32)
+    with pytest.raises(ValueError, match=rf"query: feature size d_q={d} exceeds the BLAS 32-bit "
+                                         rf"integer range \(max {BLAS_INT_MAX}\)"):
+        fastattn.attention(huge, huge, v, sims.get(sim, sim))
+
+
+def test_feature_and_attention_sizes_checked_against_the_limit(monkeypatch, rng):
+    """The same with the limit lowered: d_q, d_k and the additive d_a."""
+    from fastattn import _validation
+
+    q, k, v = randn(rng, (2, 5, 7)), randn(rng, (2, 6, 3)), randn(rng, (2, 6, 2))
+    monkeypatch.setattr(_validation, "BLAS_INT_MAX", 6)
+    with pytest.raises(ValueError, match=r"query: feature size d_q=7 exceeds the BLAS 32-bit integer range \(max 6\)"):
+        fastattn.attention(q, k, v, "additive", params=_add(7, 3))
+    with pytest.raises(ValueError, match=r"key: feature size d_k=7 exceeds"):
+        fastattn.attention(k, q, v[:, :5], "general", params={"W": np.zeros((3, 7))})
+    with pytest.raises(ValueError, match=r"params: attention size d_a=5 \(padded to 8\) exceeds the "
+                                         r"BLAS 32-bit integer range \(max 6\)"):
+        fastattn.attention(q[..., :6], k, v, "additive", params=_add(6, 3))
+    monkeypatch.setattr(_validation, "BLAS_INT_MAX", 8)  # at the limit: runs
+    from fastattn import _reference as R
+    from conftest import assert_close
+
+    P = _add(6, 3)
+    got = fastattn.attention(q[..., :6], k, v, "additive", params=P)
+    ref = R.attention(q[..., :6], k, v, lambda a, b: R.score_additive(a, b, P["W_q"], P["W_k"], P["v"]))
+    assert_close(got, ref, np.float64)
