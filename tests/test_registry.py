@@ -504,3 +504,52 @@ def test_failing_entry_point_factory_warns_naming_the_plugin(monkeypatch):
                                                    r"ValueError: bad config"):
         names = fastattn.available_similarities()
     assert "ep_bad_factory" not in names
+
+
+class DotPlugin(Similarity):
+    """q . k in NumPy: the tiled path with no extra memory of its own."""
+    name = "dot_plugin"
+    same_dims = True
+
+    def score(self, query, key, params):
+        return query @ np.swapaxes(key, -1, -2)
+
+
+def test_numpy_plugin_memory_is_o_tile_with_many_batch_items():
+    """B x H = 64: the tiled path works through the batch in chunks, so its
+    extra memory stays O(tile) (it used to take a (64, 64, 128) score tile
+    and its temporaries: ~17 MB over the 2 MB output)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((8, 8, 256, 16)) for _ in range(3))
+    out_bytes = 8 * 8 * 256 * 16 * 8
+    sim = DotPlugin()
+    fastattn.attention(q[:1, :1, :4], k[:1, :1], v[:1, :1], sim)  # warm up (imports, caches)
+    tracemalloc.start()
+    got = fastattn.attention(q, k, v, sim)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak - out_bytes < 1.5 * 2**20, (peak, out_bytes)
+    assert_close(got, R.attention(q, k, v, R.score_dot), np.float64)
+
+
+@pytest.mark.parametrize("batch", [(64,), (8, 8), (3, 1, 5), (1,), ()])
+@pytest.mark.parametrize("weights", [False, True])
+def test_numpy_plugin_batch_chunks_give_identical_results(batch, weights, rng):
+    """Chunking the batch changes nothing: each item equals its own call."""
+    q = randn(rng, batch + (70, 6))
+    k = randn(rng, (1,) * len(batch) + (150, 6))   # broadcast over the batch
+    v = randn(rng, batch + (150, 3))
+    mask = rng.random(batch[-1:] + (70, 150)) < 0.8
+    kw = dict(attn_mask=mask, is_causal=True, return_weights=weights)
+    got = fastattn.attention(q, k, v, DotPlugin(), **kw)
+    got = got if weights else (got,)
+    for idx in np.ndindex(*batch):
+        kidx = (0,) * len(batch)
+        mi = idx[-1:] if batch else ()
+        one = fastattn.attention(q[idx], k[kidx], v[idx], DotPlugin(), **{**kw, "attn_mask": mask[mi]})
+        one = one if weights else (one,)
+        for a, b in zip(got, one):
+            np.testing.assert_array_equal(a[idx], b)
+    ref = R.attention(q, k, v, R.score_dot, mask, True, return_weights=weights)
+    for a, b in zip(got, ref if weights else (ref,)):
+        assert_close(a, b, np.float64)
