@@ -92,7 +92,8 @@ def _dims(name):
     return (6, 6) if same else (6, 5)
 
 
-MASKS = ["none", "bool", "float", "causal", "causal_br", "padding", "fully_masked", "bool_causal"]
+MASKS = ["none", "bool", "float", "float_batch", "causal", "causal_br", "padding", "fully_masked",
+         "bool_causal"]
 
 
 def make_mask(kind, batch, Lq, Lk, rng, dtype):
@@ -104,6 +105,11 @@ def make_mask(kind, batch, Lq, Lk, rng, dtype):
     if kind == "float":
         m = randn(rng, (Lq, Lk), dtype)
         m[rng.random((Lq, Lk)) < 0.2] = -np.inf
+        return m, False, "top_left"
+    if kind == "float_batch":  # a float bias per batch item, plus a new leading dim of 3
+        m = randn(rng, (3,) + batch + (Lq, Lk), dtype)
+        m[rng.random(m.shape) < 0.2] = -np.inf
+        m[1, ..., 3, :] = -np.inf  # fully masked rows in one of the new items
         return m, False, "top_left"
     if kind == "causal":
         return None, True, "top_left"
@@ -165,6 +171,17 @@ def test_oracle_masks(sim_name, dtype, mask_kind, rng):
     # 70 queries (> one C and one NumPy query block's worth in places), 300
     # keys (> one tile on every path), two batch items
     check(sim_name, dtype, (2, 70), (2, 300), (2, 300, 4), mask_kind, rng)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("sim_name", SIMS)
+def test_oracle_bottom_right_causal_more_queries_than_keys(sim_name, dtype, rng):
+    """Lq > Lk with bottom-right alignment: the first Lq - Lk query rows see
+    no key (zeros), the rest a growing prefix of the keys."""
+    got = check(sim_name, dtype, (2, 150), (2, 20), (2, 20, 3), "causal_br", rng)
+    assert np.all(got[:, :130] == 0) and np.all(np.any(got[:, 130:] != 0, axis=-1))
+    # one batch item, Lq much larger than Lk
+    check(sim_name, dtype, (1, 70), (1, 9), (1, 9, 2), "causal_br", rng)
 
 
 SHAPES = [
