@@ -167,8 +167,13 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
         compiled plugins.
     value : array_like (..., Lk, dv)
     similarity : str or Similarity
-        A registered name (see :func:`fastattn.available_similarities`), a
-        :class:`~fastattn.similarity.Similarity` instance or subclass.
+        A registered name (see :func:`fastattn.available_similarities`) or a
+        :class:`~fastattn.similarity.Similarity` instance (registered or
+        not) with a ``name`` and its own ``score`` (a
+        :class:`~fastattn.similarity.CompiledSimilarity`: a ``capsule``).
+        Anything else -- a Similarity subclass (pass an instance), a
+        factory or any other callable -- raises TypeError naming
+        ``similarity``; it is never called.
     params : dict, optional
         The similarity's parameters (shapes in its ``params_spec``; see
         ``docs/similarities.md``), cast to the compute dtype.
