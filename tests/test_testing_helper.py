@@ -121,3 +121,13 @@ def test_testing_does_not_import_the_kernels():
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     assert not {n for n in names if "_scores" in n or "_kernels" in n}, names
+
+
+def test_check_against_oracle_unbatched_inputs():
+    """(Lq, d) inputs: only the query rows are cut (q[:1, :rows] used to take
+    one query and the first `rows` features)."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((40, 8)), rng.standard_normal((50, 8)), rng.standard_normal((50, 3))
+    mask = rng.random((40, 50)) < 0.6
+    assert testing.check_against_oracle("dot", q, k, v, None, attn_mask=mask,
+                                        return_weights=True) < 1e-12
