@@ -286,7 +286,11 @@ def _score_tile(sim, qt, kt, params, cdt):
         # (with a RuntimeWarning) and blame them on the plugin as "+inf"
         with np.errstate(invalid="ignore"):
             bad = np.isnan(s).any() or np.isposinf(s).any()
-        if not bad and not _fits(s, cdt):
+        if bad:
+            raise ValueError(
+                f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
+                "'may not attend', is allowed)")
+        if not _fits(s, cdt):
             big = float(np.max(np.abs(s), where=np.isfinite(s), initial=0))
             raise ValueError(
                 f"similarity {sim.name!r}: score returned values out of {cdt.name} range "

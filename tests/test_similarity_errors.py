@@ -179,9 +179,11 @@ def test_float32_scores_out_of_range_say_so(rng):
                                              r"float32 range \(the compute dtype; max 3.403e\+38\), "
                                              r"got max \|score\| .*e\+4\d in float64"):
             fastattn.attention(q, k, v, Huge(1e45))
-        # really +inf and NaN still say so
+        # really +inf and NaN still say so (also next to huge values: no cast warning)
         with pytest.raises(ValueError, match=r"score returned NaN or \+inf values"):
             fastattn.attention(q, k, v, Huge(np.inf))
+        with pytest.raises(ValueError, match=r"score returned NaN or \+inf values"):
+            fastattn.attention(q, k, v, Huge(np.array([np.nan, 1e45, 1, 1, 1, 1, 1, 1, 1])))
     finally:
         ctx.__exit__(None, None, None)
     # in range in float64: fine, and the float32 result matches the oracle
