@@ -27,11 +27,11 @@ import math
 
 import numpy as np
 
-from . import _threads, functional as _functional
+from . import _threads, _validation, functional as _functional
 from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
 from .registry import get_similarity
 from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity,
-                         Similarity)
+                         Similarity, _fits)
 
 try:
     from . import _scores
@@ -59,6 +59,14 @@ PAD = 8
 PARALLEL_MIN_WORK = 1 << 17
 
 
+def selftest_capsule():
+    """The PyCapsule of the C self-test plugin compiled into fastattn (for
+    :mod:`fastattn.testing`, which must not reach the kernels itself)."""
+    if _scores is None:  # pragma: no cover - only while the extension is not built
+        raise ImportError("fastattn._scores is not built: no compiled self-test plugin")
+    return _scores.selftest_capsule()
+
+
 class SimilarityError(RuntimeError):
     """A similarity's score function failed (raised, or returned bad scores)."""
 
@@ -73,7 +81,7 @@ class _Call:
 
 
 def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
-             causal_alignment, out, n_threads):
+             causal_alignment, out, n_threads, lower=True):
     sim = get_similarity(similarity)
     q = as_array(query, "query")
     k = as_array(key, "key")
@@ -85,6 +93,13 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
                 f"{name}: expected an array with at least 2 dims (..., L, features), "
                 f"got {a.ndim}-d array of shape {a.shape}")
     d_q, d_k = q.shape[-1], k.shape[-1]
+    # SDPA's own size checks below run on one-feature stand-ins: the real
+    # feature sizes are BLAS dimensions / leading dimensions of the projections
+    for name, what, n in (("query", "d_q", d_q), ("key", "d_k", d_k)):
+        if n > _validation.BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}: feature size {what}={n} exceeds the BLAS 32-bit integer range "
+                f"(max {_validation.BLAS_INT_MAX})")
     if sim.same_dims and d_q != d_k:
         raise ValueError(
             f"key: expected last dim {d_q} (query's feature size d; similarity {sim.name!r} "
@@ -96,14 +111,26 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
     c = _Call()
     c.sim = sim
     c.p = p
-    c.q = canonical_matrix_stack(q, p.cdt)
-    c.k = canonical_matrix_stack(k, p.cdt)
     c.d_q, c.d_k = d_q, d_k
     c.params = sim.check_params(params, d_q, d_k, p.cdt)
     c.attn_mask = attn_mask
     c.causal_alignment = causal_alignment
-    c.lowered = None if isinstance(sim, CompiledSimilarity) else sim._lower(c.q, c.k, c.params)
+    if lower:
+        c.q = canonical_matrix_stack(q, p.cdt)
+        c.k = canonical_matrix_stack(k, p.cdt)
+        qx, kx = c.q, c.k
+    else:
+        # only the path is wanted: lower one-row probes, so that nothing of
+        # the size of the inputs is copied, cast or normalised
+        c.q = c.k = None
+        qx, kx = canonical_matrix_stack(_probe(q), p.cdt), canonical_matrix_stack(_probe(k), p.cdt)
+    c.lowered = None if isinstance(sim, CompiledSimilarity) else sim._lower(qx, kx, c.params)
     return c
+
+
+def _probe(a: np.ndarray) -> np.ndarray:
+    """The first row of the first batch item of a, keeping every dim (a view)."""
+    return a[(slice(0, 1),) * (a.ndim - 1) + (slice(None),)]
 
 
 def _path(c) -> str:
@@ -120,9 +147,11 @@ def attention_path(query, key, value, similarity="dot", *, params=None, attn_mas
                    is_causal=False, return_weights=False, causal_alignment="top_left",
                    out=None, n_threads=None) -> str:
     """Which path :func:`attention` takes for these arguments: ``"sdpa"``,
-    ``"fused"`` or ``"tiled"`` (validates them the same way)."""
+    ``"fused"`` or ``"tiled"`` (validates them the same way, but neither
+    copies, casts nor normalises query and key: the similarity is lowered
+    on their first rows only)."""
     return _path(_prepare(query, key, value, similarity, params, attn_mask, is_causal,
-                          return_weights, causal_alignment, out, n_threads))
+                          return_weights, causal_alignment, out, n_threads, lower=False))
 
 
 def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
@@ -138,8 +167,13 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
         compiled plugins.
     value : array_like (..., Lk, dv)
     similarity : str or Similarity
-        A registered name (see :func:`fastattn.available_similarities`), a
-        :class:`~fastattn.similarity.Similarity` instance or subclass.
+        A registered name (see :func:`fastattn.available_similarities`) or a
+        :class:`~fastattn.similarity.Similarity` instance (registered or
+        not) with a ``name`` and its own ``score`` (a
+        :class:`~fastattn.similarity.CompiledSimilarity`: a ``capsule``).
+        Anything else -- a Similarity subclass (pass an instance), a
+        factory or any other callable -- raises TypeError naming
+        ``similarity``; it is never called.
     params : dict, optional
         The similarity's parameters (shapes in its ``params_spec``; see
         ``docs/similarities.md``), cast to the compute dtype.
@@ -157,7 +191,10 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
         return _run_sdpa(c)
     p = c.p
     out_shape = p.batch + (p.Lq, p.dv)
-    res = _direct_out(c) if path == "fused" else None
+    # only the built-in kernels write straight into out=: a compiled plugin
+    # can fail partway (error code, NaN scores), and out must then be untouched
+    direct = path == "fused" and not isinstance(c.sim, CompiledSimilarity)
+    res = _direct_out(c) if direct else None
     if res is None:
         res = np.empty(out_shape, dtype=p.cdt)
     weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
@@ -244,6 +281,21 @@ def _score_tile(sim, qt, kt, params, cdt):
         raise TypeError(
             f"similarity {sim.name!r}: score returned dtype {s.dtype}, expected a real "
             f"floating dtype (float32 or float64)")
+    if s.dtype != cdt and s.dtype.itemsize > cdt.itemsize:
+        # check before narrowing: a cast would turn huge finite scores into inf
+        # (with a RuntimeWarning) and blame them on the plugin as "+inf"
+        with np.errstate(invalid="ignore"):
+            bad = np.isnan(s).any() or np.isposinf(s).any()
+        if bad:
+            raise ValueError(
+                f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
+                "'may not attend', is allowed)")
+        if not _fits(s, cdt):
+            big = float(np.max(np.abs(s), where=np.isfinite(s), initial=0))
+            raise ValueError(
+                f"similarity {sim.name!r}: score returned values out of {cdt.name} range "
+                f"(the compute dtype; max {np.finfo(cdt).max:.4g}), got max |score| {big:.4g} "
+                f"in {s.dtype}")
     s = s.astype(cdt, copy=True)
     with np.errstate(invalid="ignore"):
         bad = np.isnan(s).any() or np.isposinf(s).any()
@@ -287,14 +339,45 @@ def _pv_acc(p, v, acc, batch):
     _scores.pv_acc(p, v, acc, batch)
 
 
+def _batch_chunks(batch, per_item):
+    """Index tuples cutting ``batch`` into chunks of at most
+    max(1, PY_BLOCK_Q * PY_BLOCK_K // per_item) items, each a basic index (a
+    view): the trailing batch dims that fit whole, a slice of the dim before
+    them, ints for the rest.  ``()`` when the whole batch fits."""
+    cap = max(1, (PY_BLOCK_Q * PY_BLOCK_K) // max(per_item, 1))
+    s = len(batch)
+    while s > 0 and math.prod(batch[s - 1:]) <= cap:
+        s -= 1
+    if s == 0:
+        yield ()
+        return
+    step = max(1, cap // math.prod(batch[s:]))
+    n = batch[s - 1]
+    for idx in np.ndindex(*batch[:s - 1]):
+        for c0 in range(0, n, step):
+            yield idx + (slice(c0, min(n, c0 + step)),)
+
+
 def _run_tiled(c, res, weights):
+    """The NumPy streaming softmax, through the batch in chunks so that a
+    score tile holds at most ~PY_BLOCK_Q x PY_BLOCK_K scores (one batch item's
+    tile when Lq, Lk are large): memory O(tile), not O(batch x tile)."""
     p = c.p
-    cdt = p.cdt
     batch = p.batch
     Q = np.broadcast_to(c.q, batch + c.q.shape[-2:])
     K = np.broadcast_to(c.k, batch + c.k.shape[-2:])
     V = np.broadcast_to(p.v, batch + p.v.shape[-2:])
     M = None if p.mask is None else np.broadcast_to(p.mask, batch + (p.Lq, p.Lk))
+    per_item = min(p.Lq, PY_BLOCK_Q) * min(p.Lk, PY_BLOCK_K)
+    for ix in _batch_chunks(batch, per_item):
+        r = res[ix]
+        _run_tiled_chunk(c, Q[ix], K[ix], V[ix], None if M is None else M[ix], r,
+                         None if weights is None else weights[ix], r.shape[:-2])
+
+
+def _run_tiled_chunk(c, Q, K, V, M, res, weights, batch):
+    p = c.p
+    cdt = p.cdt
     Lq, Lk = p.Lq, p.Lk
     neg_inf = cdt.type(-np.inf)
     for i0 in range(0, Lq, PY_BLOCK_Q):
@@ -453,6 +536,10 @@ def _run_fused(c, res, weights):
             kx = np.zeros(c.k.shape[:-1] + (1,), cdt)
     else:
         _, wq, wk, b, vvec = c.lowered
+        if _pad(wq.shape[0]) > _validation.BLAS_INT_MAX:
+            raise ValueError(
+                f"params: attention size d_a={wq.shape[0]} (padded to {_pad(wq.shape[0])}) "
+                f"exceeds the BLAS 32-bit integer range (max {_validation.BLAS_INT_MAX})")
         _ensure_blas_hook()
         qx = _project(c.q, wq, b, cdt, nt)
         kx = _project(c.k, wk, None, cdt, nt)

@@ -15,7 +15,10 @@ can be neither overwritten nor unregistered.
 Third-party packages register through the entry-point group
 ``fastattn.similarities``: each entry point's name is the similarity's name
 and its object is a :class:`~fastattn.similarity.Similarity` subclass, an
-instance, or a zero-argument callable returning an instance.  Entry points
+instance, or a zero-argument callable returning an instance (classes and
+factories are accepted here and by :func:`register_similarity` only;
+:func:`get_similarity` and ``attention(similarity=...)`` take a name or an
+instance and never call what they are given).  Entry points
 are loaded lazily -- on the first lookup of a name that is not registered,
 and by :func:`available_similarities` -- never at ``import fastattn``.  A
 plugin that fails to load, or whose name is already taken, emits a
@@ -72,35 +75,77 @@ def _check_name(name) -> str:
     return name
 
 
-def _instantiate(obj, what: str):
-    """A Similarity instance from a subclass, an instance or a factory."""
+def _what_is(obj) -> str:
+    if isinstance(obj, type):
+        return f"class {obj.__qualname__}"
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{type(obj).__name__} {obj.__qualname__}"
+    return type(obj).__name__
+
+
+def _check_usable(inst, what: str):
+    """A Similarity instance that attention() can run: a ``score`` of its own
+    (the base class's raises NotImplementedError) or, for a compiled plugin,
+    a capsule."""
+    from .similarity import CompiledSimilarity, Similarity
+
+    cls = type(inst)
+    _check_score(cls, what)
+    if isinstance(inst, CompiledSimilarity) and inst.capsule is None:
+        raise TypeError(
+            f"{what}: {cls.__qualname__} has no capsule (a CompiledSimilarity subclass must "
+            "set 'capsule' to its PyCapsule)")
+    return inst
+
+
+def _check_score(cls, what: str):
+    from .similarity import CompiledSimilarity, Similarity
+
+    if not issubclass(cls, CompiledSimilarity) and cls.score is Similarity.score:
+        raise TypeError(
+            f"{what}: {cls.__qualname__} does not implement score(query, key, params) "
+            "(fastattn.similarity.Similarity is an abstract base class: subclass it)")
+
+
+def _from_factory(obj, what: str, name=None):
+    """A Similarity instance from a subclass (instantiated without arguments),
+    an instance or a zero-argument factory -- for register_similarity and
+    entry points only.  A failing class or factory is reported by name."""
     from .similarity import Similarity
 
     if isinstance(obj, Similarity):
         return obj
+    if isinstance(obj, type) and not issubclass(obj, Similarity):
+        raise TypeError(
+            f"{what}: expected a fastattn.similarity.Similarity subclass, instance or factory, "
+            f"got class {obj.__qualname__}")
+    if not callable(obj):
+        raise TypeError(
+            f"{what}: expected a fastattn.similarity.Similarity subclass, instance or factory, "
+            f"got {type(obj).__name__}")
     if isinstance(obj, type):
-        if not issubclass(obj, Similarity):
-            raise TypeError(
-                f"{what}: expected a fastattn.similarity.Similarity subclass or instance, "
-                f"got class {obj.__qualname__}"
-            )
-        return obj()
-    if callable(obj):
+        _check_score(obj, what)  # e.g. the abstract base itself: say so before creating it
+    label = _what_is(obj) + ("" if name is None else f" (similarity {name!r})")
+    try:
         inst = obj()
-        if not isinstance(inst, Similarity):
-            raise TypeError(
-                f"{what}: the factory {getattr(obj, '__qualname__', obj)!r} returned "
-                f"{type(inst).__name__}, expected a fastattn.similarity.Similarity instance"
-            )
-        return inst
-    raise TypeError(
-        f"{what}: expected a fastattn.similarity.Similarity subclass or instance, "
-        f"got {type(obj).__name__}"
-    )
+    except Exception as exc:
+        raise RuntimeError(
+            f"{what}: could not create the similarity from {label}: "
+            f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(inst, Similarity):
+        raise TypeError(
+            f"{what}: the factory {getattr(obj, '__qualname__', obj)!r} returned "
+            f"{type(inst).__name__}, expected a fastattn.similarity.Similarity instance")
+    return inst
 
 
 def _register(obj, name, overwrite, builtin=False):
-    inst = _instantiate(obj, "register_similarity")
+    # cheap argument checks first: nothing is instantiated or called for a bad call
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__} {overwrite!r}")
+    if name is not None:
+        name = _check_name(name)
+    inst = _check_usable(_from_factory(obj, "register_similarity", name), "register_similarity")
     if name is None:
         name = getattr(inst, "name", None)
         if name is None:
@@ -108,9 +153,7 @@ def _register(obj, name, overwrite, builtin=False):
                 f"register_similarity: {type(inst).__qualname__} has no 'name' attribute; "
                 "pass name=..."
             )
-    name = _check_name(name)
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__} {overwrite!r}")
+        name = _check_name(name)
     with _lock:
         if name in _builtin_names:
             raise ValueError(
@@ -147,8 +190,11 @@ def register_similarity(obj=None, name=None, *, overwrite=False):
         class Mine2(Similarity): ...
 
     Returns ``obj`` unchanged (so decorated classes stay classes).  Raises
-    ValueError when the name is taken (unless ``overwrite=True``) or is a
-    built-in's.
+    TypeError for a bad ``overwrite`` / ``name`` (checked before ``obj`` is
+    touched), for what is not a Similarity or has no ``score`` of its own
+    (the abstract base class itself); RuntimeError naming the class or
+    factory when creating the instance fails; ValueError when the name is
+    taken (unless ``overwrite=True``) or is a built-in's.
     """
     if obj is None:
         def deco(o):
@@ -240,12 +286,43 @@ def available_similarities() -> tuple:
 def get_similarity(name_or_obj):
     """The registered similarity called ``name_or_obj``, or the object itself.
 
-    A :class:`~fastattn.similarity.Similarity` instance is returned as is (it
-    need not be registered); a subclass is instantiated.  An unknown name
-    raises :class:`UnknownSimilarityError` (a KeyError) listing the available ones.
+    ``name_or_obj`` is either
+
+    * a registered name (str): the registered object (the built-ins are
+      shared and read-only); an unknown name raises
+      :class:`UnknownSimilarityError` (a KeyError) listing the available
+      ones, after loading the entry points;
+    * a :class:`~fastattn.similarity.Similarity` instance with a ``name``
+      (a str) and a ``score`` of its own (or, for a
+      :class:`~fastattn.similarity.CompiledSimilarity`, a ``capsule``):
+      returned as is, it need not be registered.
+
+    Anything else -- including a Similarity *subclass* (pass an instance)
+    and factories (those are for :func:`register_similarity` and entry
+    points) -- raises TypeError naming ``similarity``.  Nothing passed here
+    is ever called.
     """
+    from .similarity import CompiledSimilarity, Similarity
+
     if not isinstance(name_or_obj, str):
-        return _instantiate(name_or_obj, "similarity")
+        if not isinstance(name_or_obj, Similarity):
+            hint = ""
+            if name_or_obj in (Similarity, CompiledSimilarity):
+                hint = " (the abstract base class: subclass it, implement score, pass an instance)"
+            elif isinstance(name_or_obj, type) and issubclass(name_or_obj, Similarity):
+                hint = f" (a Similarity subclass: pass an instance, {name_or_obj.__qualname__}(), or register it)"
+            elif callable(name_or_obj):
+                hint = " (similarity objects are never called here: register a factory with register_similarity)"
+            raise TypeError(
+                "similarity: expected a registered name (str) or a fastattn.similarity.Similarity "
+                f"instance, got {_what_is(name_or_obj)}{hint}")
+        sim = _check_usable(name_or_obj, "similarity")
+        nm = sim.name
+        if not isinstance(nm, str) or not nm:
+            raise TypeError(
+                f"similarity: {type(sim).__qualname__} instance has no name (set the class "
+                f"attribute 'name' to a non-empty str), got name {nm!r}")
+        return sim
     with _lock:
         sim = _store.get(name_or_obj)
     if sim is None:

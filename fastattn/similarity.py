@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import types
 
 import numpy as np
 
@@ -63,19 +64,46 @@ _NO_DEFAULT = object()
 
 
 class ParamSpec:
-    """One parameter: symbolic shape, whether required, its default, a docstring."""
+    """One parameter: symbolic shape, whether required, its default, a docstring.
 
-    __slots__ = ("shape", "required", "default", "doc")
+    ``default`` (a scalar, for scalar parameters) is filled in by
+    :meth:`Similarity.check_params` when the parameter is not given.
+    ``zero_default=True`` says an optional array parameter left out acts as
+    zeros (a bias): :meth:`Similarity.init_params` then gives zeros.  An
+    optional parameter with neither (e.g. ``scaled_dot``'s ``scale``, whose
+    default depends on the inputs) is left out of ``init_params``'s dict.
+    Immutable (similarities share their specs with every caller).
+    """
 
-    def __init__(self, shape, required=True, default=None, doc=""):
-        self.shape = tuple(shape)
-        self.required = required
-        self.default = default
-        self.doc = doc
+    __slots__ = ("shape", "required", "default", "doc", "zero_default")
+
+    def __init__(self, shape, required=True, default=None, doc="", zero_default=False):
+        for attr, val in (("shape", tuple(shape)), ("required", required), ("default", default),
+                          ("doc", doc), ("zero_default", bool(zero_default))):
+            object.__setattr__(self, attr, val)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ParamSpec is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"ParamSpec is immutable: cannot delete {name!r}")
 
     def __repr__(self):
         return (f"ParamSpec(shape={self.shape!r}, required={self.required!r}, "
                 f"default={self.default!r})")
+
+
+def _fits(a, dtype) -> bool:
+    """True when every (finite) value of the real array ``a`` is within the
+    range of the float ``dtype``, so that casting it cannot overflow."""
+    dtype = np.dtype(dtype)
+    if a.dtype.kind == "f" and a.dtype.itemsize <= dtype.itemsize:
+        return True
+    if a.dtype.kind in "iu" and dtype.itemsize >= 4:
+        return True  # |int64| < 9.3e18 < float32 max
+    big = np.max(np.abs(a.astype(np.float64) if a.dtype.kind in "iu" else a),
+                 where=np.isfinite(a), initial=0)
+    return bool(big <= np.finfo(dtype).max)
 
 
 def _dim_value(sym, dims):
@@ -114,6 +142,28 @@ class Similarity:
     config_keys: tuple = ()
     #: d_q must equal d_k (dot-like similarities)
     same_dims: bool = False
+    #: set by :meth:`_freeze` (the registered built-ins): no attribute can be
+    #: set or deleted any more, since every caller shares the object
+    _frozen: bool = False
+
+    def __setattr__(self, attr, value):
+        if self._frozen:
+            raise AttributeError(
+                f"{type(self).__qualname__} {self.name!r} is a shared, read-only similarity: "
+                f"cannot set {attr!r} (make your own instance instead, e.g. "
+                f"{type(self).__qualname__}(...))")
+        object.__setattr__(self, attr, value)
+
+    def __delattr__(self, attr):
+        if self._frozen:
+            raise AttributeError(
+                f"{type(self).__qualname__} {self.name!r} is a shared, read-only similarity: "
+                f"cannot delete {attr!r}")
+        object.__delattr__(self, attr)
+
+    def _freeze(self):
+        object.__setattr__(self, "_frozen", True)
+        return self
 
     # ------------------------------------------------------------ the math
     def score(self, query, key, params):
@@ -142,6 +192,12 @@ class Similarity:
         if not isinstance(params, dict):
             raise TypeError(
                 f"params: expected a dict of arrays for {where}, got {type(params).__name__}")
+        bad_keys = [key for key in params if not isinstance(key, str)]
+        if bad_keys:
+            raise TypeError(
+                f"params: keys must be str (parameter names) for {where}, got "
+                f"{', '.join(f'{type(key).__name__} {key!r}' for key in bad_keys)}; expected "
+                f"{self._describe_spec()}")
         unknown = sorted(set(params) - set(spec))
         if unknown:
             raise ValueError(
@@ -180,9 +236,14 @@ class Similarity:
                     raise ValueError(
                         f"params[{pname!r}]: expected shape {self._sym(ps.shape)} = {exp} for "
                         f"{where} (d_q={d_q}, d_k={d_k}), got {a.shape}")
-            a = np.array(a, dtype=dtype, copy=True, order="C")
-            if not np.all(np.isfinite(a)):
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
                 raise ValueError(f"params[{pname!r}]: contains NaN or infinite values")
+            if a.size and not _fits(a, dtype):
+                raise ValueError(
+                    f"params[{pname!r}]: values out of {np.dtype(dtype).name} range (the "
+                    f"compute dtype of query/key/value; max {np.finfo(dtype).max:.4g}), got "
+                    f"max |value| {float(np.max(np.abs(a.astype(np.float64)))):.4g}")
+            a = np.array(a, dtype=dtype, copy=True, order="C")
             a.flags.writeable = False
             out[pname] = a
         return out
@@ -200,7 +261,9 @@ class Similarity:
 
     def init_params(self, d_q, d_k=None, *, rng=None, dtype=np.float64, **dims):
         """Random parameters of the right shapes (Glorot-uniform matrices,
-        zero biases, documented defaults for scalars); extra dims such as
+        zero biases, documented defaults for scalars; an optional parameter
+        without a fixed default, such as ``scaled_dot``'s ``scale`` =
+        1/sqrt(d), is left out so that its default applies); extra dims such as
         ``d_a=`` must be given.  ``rng``: a seed or np.random.Generator."""
         spec = self.params_spec
         if spec is None:
@@ -219,8 +282,9 @@ class Similarity:
             if not ps.required:
                 if ps.default is not None:
                     out[pname] = np.full(shape, ps.default, dtype=dtype)
-                else:
+                elif ps.zero_default:
                     out[pname] = np.zeros(shape, dtype=dtype)
+                # else: no fixed default (it depends on the inputs): leave it out
                 continue
             if len(shape) == 0:
                 out[pname] = np.asarray(1.0, dtype=dtype)
@@ -249,7 +313,7 @@ class Similarity:
 
     def _renamed(self, name):
         other = copy.copy(self)
-        other.name = name
+        object.__setattr__(other, "name", name)
         return other
 
     def __repr__(self):
@@ -301,7 +365,7 @@ class DotSimilarity(Similarity):
     """``q . k`` (no scaling)."""
 
     name = "dot"
-    params_spec = {}
+    params_spec = types.MappingProxyType({})
     same_dims = True
 
     def score(self, query, key, params):
@@ -315,7 +379,8 @@ class ScaledDotSimilarity(Similarity):
     """``scale * q . k``, scale 1/sqrt(d) unless given."""
 
     name = "scaled_dot"
-    params_spec = {"scale": ParamSpec((), required=False, doc="default 1/sqrt(d)")}
+    params_spec = types.MappingProxyType(
+        {"scale": ParamSpec((), required=False, doc="default 1/sqrt(d)")})
     same_dims = True
 
     @staticmethod
@@ -336,10 +401,10 @@ class GeneralSimilarity(Similarity):
     """Luong "general": ``scale * q^T W k`` with W (d_q, d_k)."""
 
     name = "general"
-    params_spec = {
+    params_spec = types.MappingProxyType({
         "W": ParamSpec(("d_q", "d_k"), doc="bilinear form"),
         "scale": ParamSpec((), required=False, default=1.0, doc="multiplies the scores"),
-    }
+    })
 
     def score(self, query, key, params):
         qw = np.matmul(query, params["W"])
@@ -361,20 +426,34 @@ class AdditiveSimilarity(Similarity):
 
     name = "additive"
     config_keys = ("normalize",)
+    _SPEC = {
+        "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
+        "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
+        "v": ParamSpec(("d_a",), doc="output vector"),
+        "b": ParamSpec(("d_a",), required=False, zero_default=True,
+                       doc="bias inside the tanh (default 0)"),
+    }
+    _SPECS = {
+        False: types.MappingProxyType(dict(_SPEC)),
+        True: types.MappingProxyType(
+            {**_SPEC, "g": ParamSpec((), required=False, default=1.0, doc="norm of the effective v")}),
+    }
+    del _SPEC
 
     def __init__(self, normalize=False):
         if not isinstance(normalize, (bool, np.bool_)):
             raise TypeError(f"normalize: expected a bool, got {type(normalize).__name__} {normalize!r}")
-        self.normalize = bool(normalize)
-        spec = {
-            "W_q": ParamSpec(("d_a", "d_q"), doc="query projection"),
-            "W_k": ParamSpec(("d_a", "d_k"), doc="key projection"),
-            "v": ParamSpec(("d_a",), doc="output vector"),
-            "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
-        }
-        if self.normalize:
-            spec["g"] = ParamSpec((), required=False, default=1.0, doc="norm of the effective v")
-        self.params_spec = spec
+        object.__setattr__(self, "_normalize", bool(normalize))
+
+    @property
+    def normalize(self) -> bool:
+        """Weight-normalised form (read-only: make a new AdditiveSimilarity to change it)."""
+        return self._normalize
+
+    @property
+    def params_spec(self):
+        """Read-only; has ``g`` exactly when :attr:`normalize` is set."""
+        return self._SPECS[self._normalize]
 
     def _weights(self, params):
         v = params["v"]
@@ -404,11 +483,12 @@ class ConcatSimilarity(Similarity):
     """
 
     name = "concat"
-    params_spec = {
+    params_spec = types.MappingProxyType({
         "W": ParamSpec(("d_a", "d_q+d_k"), doc="acts on the concatenation [q; k]"),
         "v": ParamSpec(("d_a",), doc="output vector"),
-        "b": ParamSpec(("d_a",), required=False, doc="bias inside the tanh (default 0)"),
-    }
+        "b": ParamSpec(("d_a",), required=False, zero_default=True,
+                       doc="bias inside the tanh (default 0)"),
+    })
 
     @staticmethod
     def _split(query, params):
@@ -432,14 +512,20 @@ class CosineSimilarity(Similarity):
     """``beta * cos(q, k)``; rows are divided by max(||row||, eps)."""
 
     name = "cosine"
-    params_spec = {"beta": ParamSpec((), required=False, default=1.0, doc="multiplies the cosine")}
+    params_spec = types.MappingProxyType(
+        {"beta": ParamSpec((), required=False, default=1.0, doc="multiplies the cosine")})
     same_dims = True
     config_keys = ("eps",)
 
     def __init__(self, eps=1e-12):
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
             raise ValueError(f"eps: expected a positive real number, got {eps!r}")
-        self.eps = float(eps)
+        object.__setattr__(self, "_eps", float(eps))
+
+    @property
+    def eps(self) -> float:
+        """Floor of the row norms (read-only)."""
+        return self._eps
 
     def _normalise(self, x):
         n = np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True))
@@ -461,7 +547,7 @@ def _register_builtins():
     from . import registry
 
     for cls in BUILTINS:
-        register_similarity(cls)
+        register_similarity(cls()._freeze())
     with registry._lock:
         registry._builtin_names.update(c.name for c in BUILTINS)
 

@@ -35,9 +35,9 @@ class _SelftestNegSqDist(CompiledSimilarity):
     }
 
     def __init__(self):
-        from . import _scores
+        from ._attention import selftest_capsule
 
-        self.capsule = _scores.selftest_capsule()
+        self.capsule = selftest_capsule()
 
     def score(self, query, key, params):
         diff = query[..., :, None, :] - key[..., None, :, :]
@@ -67,10 +67,26 @@ def make_inputs(similarity, *, batch=1, Lq=256, Lk=None, d=64, dv=None, d_a=None
     return q, k, v, params
 
 
+def _first_item_rows(a, rows, batch_axis, query_axis=True):
+    """a[first batch item, first ``rows`` queries], leaving broadcast (size 1)
+    axes alone.  ``batch_axis``: the axis of ``a`` aligned with the query's
+    first batch axis (None when it has none)."""
+    if a.ndim >= 2 and query_axis and a.shape[-2] != 1:
+        a = a[..., :rows, :]
+    if batch_axis is not None and 0 <= batch_axis < a.ndim - 2 and a.shape[batch_axis] != 1:
+        a = a[(slice(None),) * batch_axis + (slice(0, 1),)]
+    return a
+
+
 def check_against_oracle(similarity, q, k, v, params, *, rows=16, rtol=None, **kwargs):
     """fastattn.attention on the first batch item's first ``rows`` queries
     against the float64 oracle built from the similarity's own NumPy
-    ``score`` on float64 inputs (dense; so kept small).  Returns the max
+    ``score`` on float64 inputs (dense; so kept small).
+
+    q (batch, Lq, d) or (Lq, d); k and v alike.  ``attn_mask`` (any shape
+    that broadcasts to (..., Lq, Lk)) is cut the same way along its query
+    and batch axes where it is not broadcast there (size 1).  With
+    ``return_weights=True`` the weights are checked too.  Returns the max
     error relative to max |reference|; raises AssertionError above ``rtol``
     (default 1e-5 for float32, 1e-10 for float64)."""
     from . import _reference
@@ -78,18 +94,45 @@ def check_against_oracle(similarity, q, k, v, params, *, rows=16, rtol=None, **k
     from .registry import get_similarity
 
     sim = get_similarity(similarity)
-    qs, ks, vs = q[:1, :rows], k[:1], v[:1]
+    q, k, v = (np.asarray(a) for a in (q, k, v))
+
+    def cut(a, query_axis=True):
+        # axes align from the right: q's first batch axis is a's axis a.ndim - q.ndim
+        return _first_item_rows(a, rows, a.ndim - q.ndim if q.ndim >= 3 else None, query_axis)
+
+    qs, ks, vs = cut(q), cut(k, False), cut(v, False)
+    kwargs = dict(kwargs)
+    mask = kwargs.get("attn_mask")
+    if mask is not None:
+        mask = cut(np.asarray(mask))
+        kwargs["attn_mask"] = mask
+    want_w = bool(kwargs.get("return_weights", False))
     got = attention(qs, ks, vs, sim, params=params, **kwargs)
+    got_w = None
+    if want_w:
+        got, got_w = got
     p64 = sim.check_params(params, q.shape[-1], k.shape[-1], np.float64) \
         if sim.params_spec is not None else params
-    ref = _reference.attention(qs, ks, vs, lambda a, b: sim.score(a, b, p64),
-                               kwargs.get("attn_mask"), kwargs.get("is_causal", False),
-                               causal_alignment=kwargs.get("causal_alignment", "top_left"))
-    err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
+    ref, ref_w = _reference.attention(qs, ks, vs, lambda a, b: sim.score(a, b, p64), mask,
+                                      kwargs.get("is_causal", False),
+                                      causal_alignment=kwargs.get("causal_alignment", "top_left"),
+                                      return_weights=True)
+
+    def rel(a, b):
+        if not b.size:
+            return 0.0
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+    err = rel(got, ref)
+    what = "relative error"
+    if got_w is not None:
+        err_w = rel(got_w, ref_w)
+        if err_w > err:
+            err, what = err_w, "relative error of the weights"
     if rtol is None:
         rtol = 1e-5 if got.dtype == np.float32 else 1e-10
     if not err <= rtol:
-        raise AssertionError(f"similarity {sim.name!r}: relative error {err:.3g} > {rtol:g}")
+        raise AssertionError(f"similarity {sim.name!r}: {what} {err:.3g} > {rtol:g}")
     return err
 
 

@@ -122,15 +122,16 @@ def test_unknown_name_lists_available():
 
 
 def test_bad_registrations():
-    with pytest.raises(TypeError, match=r"expected a fastattn.similarity.Similarity subclass or instance, got class int"):
+    with pytest.raises(TypeError, match=r"expected a fastattn.similarity.Similarity subclass, instance or factory, got class int"):
         fastattn.register_similarity(int)
     with pytest.raises(TypeError, match=r"returned int, expected a fastattn.similarity.Similarity instance"):
         fastattn.register_similarity(lambda: 3, name="x")
-    with pytest.raises(TypeError, match=r"expected a fastattn.similarity.Similarity subclass or instance, got int"):
+    with pytest.raises(TypeError, match=r"expected a fastattn.similarity.Similarity subclass, instance or factory, got int"):
         fastattn.register_similarity(3, name="x")
 
     class NoName(Similarity):
-        pass
+        def score(self, query, key, params):
+            return query @ np.swapaxes(key, -1, -2)
 
     with pytest.raises(ValueError, match=r"NoName has no 'name' attribute; pass name=\.\.\."):
         fastattn.register_similarity(NoName)
@@ -140,7 +141,7 @@ def test_bad_registrations():
         fastattn.register_similarity(Dist, name=" x")
     with pytest.raises(TypeError, match=r"overwrite: expected a bool, got int 1"):
         fastattn.register_similarity(Dist, overwrite=1)
-    with pytest.raises(TypeError, match=r"similarity: expected a fastattn.similarity.Similarity subclass or instance, got float"):
+    with pytest.raises(TypeError, match=r"similarity: expected a registered name \(str\) or a fastattn.similarity.Similarity instance, got float"):
         fastattn.get_similarity(1.5)
 
 
@@ -370,3 +371,185 @@ def test_plugin_without_spec_gets_params_as_given(rng):
     got = fastattn.attention(q, k, v, Raw(), params=token)
     assert seen and all(p is token for p in seen)
     assert_close(got, R.attention(q, k, v, lambda a, b: R.score_dot(a, b, 0.5)), np.float64)
+
+
+# ----------------------------------------- review of issue 5, findings 3, 4, 6
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtins_cannot_be_mutated(name, rng):
+    sim = fastattn.get_similarity(name)
+    for attr in ("name", "params_spec", "same_dims", "score", "config_keys", "normalize", "eps"):
+        with pytest.raises(AttributeError, match=r"is a shared, read-only similarity: cannot set"):
+            setattr(sim, attr, True)
+    with pytest.raises(AttributeError, match=r"cannot delete 'name'"):
+        del sim.name
+    with pytest.raises(TypeError, match=r"does not support item assignment"):
+        sim.params_spec["x"] = ParamSpec(())
+    for ps in sim.params_spec.values():
+        with pytest.raises(AttributeError, match=r"ParamSpec is immutable: cannot set 'required'"):
+            ps.required = True
+    assert fastattn.get_similarity(name) is sim and sim.name == name
+
+
+def test_additive_keeps_working_after_a_mutation_attempt(rng):
+    sim = fastattn.get_similarity("additive")
+    with pytest.raises(AttributeError):
+        sim.normalize = True
+    assert sim.normalize is False and "g" not in sim.params_spec
+    q, k, v = randn(rng, (2, 5, 4)), randn(rng, (2, 7, 3)), randn(rng, (2, 7, 2))
+    P = sim.init_params(4, 3, d_a=6, rng=1)
+    P["v"] = randn(rng, (6,), scale=3.0)  # |v| != 1: normalize=True would change the result
+    got = fastattn.attention(q, k, v, "additive", params=P)
+    ref = R.attention(q, k, v, lambda a, b: R.score_additive(a, b, P["W_q"], P["W_k"], P["v"], P["b"]))
+    assert_close(got, ref, np.float64)
+    # own instances: configuration is read-only too (params_spec follows it)
+    mine = AdditiveSimilarity(normalize=True)
+    with pytest.raises(AttributeError, match=r"normalize"):
+        mine.normalize = False
+    assert "g" in mine.params_spec
+    with pytest.raises(AttributeError, match=r"eps"):
+        fastattn.similarity.CosineSimilarity(eps=1e-6).eps = 0.0
+
+
+def test_a_builtin_registered_under_another_name_is_a_renamed_copy():
+    dot = fastattn.get_similarity("dot")
+    fastattn.register_similarity(dot, name="my_dot")
+    assert fastattn.get_similarity("my_dot").name == "my_dot" and dot.name == "dot"
+
+
+@pytest.mark.parametrize("bad, what", [
+    (np.zeros, r"got builtin_function_or_method zeros \(similarity objects are never called here"),
+    (lambda: 1 / 0, r"got function .*<lambda> \(similarity objects are never called here"),
+    (Dist, r"got class Dist \(a Similarity subclass: pass an instance, Dist\(\), or register it\)"),
+    (Similarity, r"got class Similarity \(the abstract base class"),
+    (None, r"got NoneType$"),
+])
+def test_similarity_argument_must_be_a_name_or_an_instance(bad, what, rng):
+    q = randn(rng, (3, 4))
+    with pytest.raises(TypeError, match=r"^similarity: expected a registered name \(str\) or a "
+                                        r"fastattn.similarity.Similarity instance, " + what):
+        fastattn.attention(q, q, q, bad)
+    with pytest.raises(TypeError, match=r"^similarity: expected a registered name"):
+        fastattn.get_similarity(bad)
+
+
+def test_unusable_instances_are_rejected(rng):
+    q = randn(rng, (3, 4))
+    with pytest.raises(TypeError, match=r"^similarity: Similarity does not implement score\(query, "
+                                        r"key, params\) \(fastattn.similarity.Similarity is an "
+                                        r"abstract base class: subclass it\)"):
+        fastattn.attention(q, q, q, Similarity())
+
+    class Nameless(Dist):
+        name = None
+
+    with pytest.raises(TypeError, match=r"^similarity: .*Nameless instance has no name \(set the class "
+                                        r"attribute 'name' to a non-empty str\), got name None"):
+        fastattn.attention(q, q, q, Nameless())
+    with pytest.raises(TypeError, match=r"^similarity: CompiledSimilarity has no capsule"):
+        fastattn.attention(q, q, q, fastattn.CompiledSimilarity())
+
+
+def test_register_rejects_the_base_class_and_checks_overwrite_first():
+    created = []
+
+    class Counting(Dist):
+        def __init__(self):
+            created.append(1)
+
+    with pytest.raises(TypeError, match=r"^overwrite: expected a bool, got str 'yes'"):
+        fastattn.register_similarity(Counting, overwrite="yes")
+    with pytest.raises(TypeError, match=r"^overwrite: expected a bool"):
+        fastattn.register_similarity(lambda: created.append(2) or Dist(), name="f", overwrite=None)
+    with pytest.raises(TypeError, match=r"^name: expected a str"):
+        fastattn.register_similarity(Counting, name=3)
+    assert created == []  # nothing was instantiated or called
+    for base in (Similarity, Similarity()):
+        with pytest.raises(TypeError, match=r"^register_similarity: Similarity does not implement "
+                                            r"score\(query, key, params\)"):
+            fastattn.register_similarity(base, name="base")
+    assert "base" not in fastattn.available_similarities()
+
+
+def test_failing_factories_are_named():
+    def make_it():
+        return 1 / 0
+
+    with pytest.raises(RuntimeError, match=r"^register_similarity: could not create the similarity "
+                                           r"from function .*make_it \(similarity 'boom'\): "
+                                           r"ZeroDivisionError: division by zero"):
+        fastattn.register_similarity(make_it, name="boom")
+
+    class Fails(Dist):
+        def __init__(self):
+            raise OSError("no device")
+
+    with pytest.raises(RuntimeError, match=r"from class .*Fails: OSError: no device"):
+        fastattn.register_similarity(Fails)
+    assert "boom" not in fastattn.available_similarities()
+
+
+def test_failing_entry_point_factory_warns_naming_the_plugin(monkeypatch):
+    import importlib.metadata
+
+    def bad_factory():
+        raise ValueError("bad config")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [_EP("ep_bad_factory", bad_factory)])
+    registry._reset_entry_points()
+    with pytest.warns(FastattnPluginWarning, match=r"could not load similarity plugin from entry "
+                                                   r"point 'ep_bad_factory'.*RuntimeError: "
+                                                   r".*bad_factory \(similarity 'ep_bad_factory'\): "
+                                                   r"ValueError: bad config"):
+        names = fastattn.available_similarities()
+    assert "ep_bad_factory" not in names
+
+
+class DotPlugin(Similarity):
+    """q . k in NumPy: the tiled path with no extra memory of its own."""
+    name = "dot_plugin"
+    same_dims = True
+
+    def score(self, query, key, params):
+        return query @ np.swapaxes(key, -1, -2)
+
+
+def test_numpy_plugin_memory_is_o_tile_with_many_batch_items():
+    """B x H = 64: the tiled path works through the batch in chunks, so its
+    extra memory stays O(tile) (it used to take a (64, 64, 128) score tile
+    and its temporaries: ~17 MB over the 2 MB output)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((8, 8, 256, 16)) for _ in range(3))
+    out_bytes = 8 * 8 * 256 * 16 * 8
+    sim = DotPlugin()
+    fastattn.attention(q[:1, :1, :4], k[:1, :1], v[:1, :1], sim)  # warm up (imports, caches)
+    tracemalloc.start()
+    got = fastattn.attention(q, k, v, sim)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak - out_bytes < 1.5 * 2**20, (peak, out_bytes)
+    assert_close(got, R.attention(q, k, v, R.score_dot), np.float64)
+
+
+@pytest.mark.parametrize("batch", [(64,), (8, 8), (3, 1, 5), (1,), ()])
+@pytest.mark.parametrize("weights", [False, True])
+def test_numpy_plugin_batch_chunks_give_identical_results(batch, weights, rng):
+    """Chunking the batch changes nothing: each item equals its own call."""
+    q = randn(rng, batch + (70, 6))
+    k = randn(rng, (1,) * len(batch) + (150, 6))   # broadcast over the batch
+    v = randn(rng, batch + (150, 3))
+    mask = rng.random(batch[-1:] + (70, 150)) < 0.8
+    kw = dict(attn_mask=mask, is_causal=True, return_weights=weights)
+    got = fastattn.attention(q, k, v, DotPlugin(), **kw)
+    got = got if weights else (got,)
+    for idx in np.ndindex(*batch):
+        kidx = (0,) * len(batch)
+        mi = idx[-1:] if batch else ()
+        one = fastattn.attention(q[idx], k[kidx], v[idx], DotPlugin(), **{**kw, "attn_mask": mask[mi]})
+        one = one if weights else (one,)
+        for a, b in zip(got, one):
+            np.testing.assert_array_equal(a[idx], b)
+    ref = R.attention(q, k, v, R.score_dot, mask, True, return_weights=weights)
+    for a, b in zip(got, ref if weights else (ref,)):
+        assert_close(a, b, np.float64)

@@ -92,7 +92,8 @@ def _dims(name):
     return (6, 6) if same else (6, 5)
 
 
-MASKS = ["none", "bool", "float", "causal", "causal_br", "padding", "fully_masked", "bool_causal"]
+MASKS = ["none", "bool", "float", "float_batch", "causal", "causal_br", "padding", "fully_masked",
+         "bool_causal"]
 
 
 def make_mask(kind, batch, Lq, Lk, rng, dtype):
@@ -104,6 +105,11 @@ def make_mask(kind, batch, Lq, Lk, rng, dtype):
     if kind == "float":
         m = randn(rng, (Lq, Lk), dtype)
         m[rng.random((Lq, Lk)) < 0.2] = -np.inf
+        return m, False, "top_left"
+    if kind == "float_batch":  # a float bias per batch item, plus a new leading dim of 3
+        m = randn(rng, (3,) + batch + (Lq, Lk), dtype)
+        m[rng.random(m.shape) < 0.2] = -np.inf
+        m[1, ..., 3, :] = -np.inf  # fully masked rows in one of the new items
         return m, False, "top_left"
     if kind == "causal":
         return None, True, "top_left"
@@ -165,6 +171,17 @@ def test_oracle_masks(sim_name, dtype, mask_kind, rng):
     # 70 queries (> one C and one NumPy query block's worth in places), 300
     # keys (> one tile on every path), two batch items
     check(sim_name, dtype, (2, 70), (2, 300), (2, 300, 4), mask_kind, rng)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("sim_name", SIMS)
+def test_oracle_bottom_right_causal_more_queries_than_keys(sim_name, dtype, rng):
+    """Lq > Lk with bottom-right alignment: the first Lq - Lk query rows see
+    no key (zeros), the rest a growing prefix of the keys."""
+    got = check(sim_name, dtype, (2, 150), (2, 20), (2, 20, 3), "causal_br", rng)
+    assert np.all(got[:, :130] == 0) and np.all(np.any(got[:, 130:] != 0, axis=-1))
+    # one batch item, Lq much larger than Lk
+    check(sim_name, dtype, (1, 70), (1, 9), (1, 9, 2), "causal_br", rng)
 
 
 SHAPES = [
@@ -279,9 +296,32 @@ def test_out_written_directly_and_overlap(sim_name, rng):
     r = fastattn.attention(q, k, v, sim, params=params, out=out)
     assert r is out
     assert_close(out, ref, np.float64)
-    padded = np.full((2, 5, 7), np.nan)[..., 2:5]  # rows with a stride: still direct
-    r = fastattn.attention(q, k, randn(rng, (2, 8, 3)), sim, params=params, out=padded)
-    assert r is padded and np.all(np.isfinite(padded))
+    padded_buf = np.full((2, 5, 7), np.nan)
+    padded = padded_buf[..., 2:5]  # rows with a stride: still direct
+    v2 = randn(rng, (2, 8, 3))
+    r = fastattn.attention(q, k, v2, sim, params=params, out=padded)
+    assert r is padded
+    assert_close(padded, R.attention(q, k, v2, ref_score), np.float64)
+    assert np.all(np.isnan(padded_buf[..., :2])) and np.all(np.isnan(padded_buf[..., 5:]))
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_failing_compiled_plugin_leaves_out_untouched(mode, rng):
+    """A compiled plugin failing partway (error code 7, a NaN, a +inf score):
+    out= is not partly written (the plugin path goes through a temporary)."""
+    sim = _compiled_selftest()
+    if sim is None:
+        pytest.skip("fastattn._scores is not built")
+    q, v = randn(rng, (4, 200, 6)), randn(rng, (4, 200, 3))
+    out = np.full((4, 200, 3), 7.0)
+    with pytest.raises((_attention.SimilarityError, ValueError),
+                       match=r"similarity 'fastattn_selftest_neg_sq_dist': (the compiled score "
+                             r"function returned error code 7|score returned NaN or \+inf)"):
+        fastattn.attention(q, q, v, sim, params={"mode": float(mode)}, out=out, n_threads=2)
+    np.testing.assert_array_equal(out, np.full((4, 200, 3), 7.0))
+    r = fastattn.attention(q, q, v, sim, params={"gamma": 0.5}, out=out)  # and it works
+    assert r is out
+    assert_close(out, R.attention(q, q, v, lambda a, b: R.score_neg_sq_dist(a, b, 0.5)), np.float64)
 
 
 @pytest.mark.parametrize("sim_name", ["additive", "concat", "cosine", "general", "numpy_plugin", "compiled_plugin"])
@@ -295,3 +335,26 @@ def test_key_permutation_invariance(sim_name, rng):
     a = fastattn.attention(q, k, v, sim, params=params, attn_mask=mask)
     b = fastattn.attention(q, k[:, perm], v[:, perm], sim, params=params, attn_mask=mask[:, perm])
     assert_close(b, a, np.float64)
+
+
+@pytest.mark.parametrize("sim_name, layout", [("cosine", "C"), ("cosine", "padded"),
+                                              ("additive", "unaligned"), ("general", "C")])
+def test_attention_path_does_not_copy_the_inputs(sim_name, layout, rng):
+    """attention_path only names the path: no normalised (cosine) or
+    canonical (strided) copy of the full query and key."""
+    import tracemalloc
+
+    from conftest import make_layout
+
+    d_q, d_k = _dims(sim_name)
+    q = make_layout(randn(rng, (2, 2048, d_q * 40)), layout)  # 3.9 MB
+    k = make_layout(randn(rng, (2, 2048, d_k * 40)), layout)
+    v = randn(rng, (2, 2048, 2))
+    sim, params, _, path = make_case(sim_name, np.float64, d_q * 40, d_k * 40, rng)
+    _attention.attention_path(q[:, :2], k[:, :2], v[:, :2], sim, params=params)  # warm up
+    tracemalloc.start()
+    got = _attention.attention_path(q, k, v, sim, params=params)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert got == path
+    assert peak < 2**20 + sum(np.asarray(x).nbytes for x in (params or {}).values()), peak
