@@ -28,6 +28,7 @@
 #define FA_ADD_AVX2 1
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
+#include "fa_exp_avx2.h"
 #else
 #define FA_ADD_AVX2 0
 #endif
@@ -171,27 +172,14 @@ AVX2 static inline __m256 tanh8_f32(__m256 x)
     p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-0.3333328068256378f));
     __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x2, x), p, x);
     small = _mm256_or_ps(small, _mm256_and_ps(sign, x));  /* tanh(-0) = -0 */
-    /* otherwise 1 - 2 / (exp(2|x|) + 1) with the sign of x; exp as in
-     * fa_simd.c (Cody-Waite reduction, degree-6 polynomial) on 2|x| clamped to
-     * [1.25, 18.1], where the result is 1 in float; a NaN x stays NaN
-     * (min/max with the constant first) */
-    __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.0f),
+    /* otherwise (1 - E) / (1 + E), E = exp(-2|x|) <= exp(-1.25), with the sign
+     * of x; |x| clamped to 9.05, where the result is 1 in float (a NaN x stays
+     * NaN: min/max with the constant first) */
+    __m256 z = _mm256_mul_ps(_mm256_set1_ps(-2.0f),
                              _mm256_min_ps(_mm256_set1_ps(9.05f), _mm256_max_ps(_mm256_set1_ps(0.625f), a)));
-    const __m256 magic = _mm256_set1_ps(12582912.0f); /* 1.5 * 2^23 */
-    __m256 t = _mm256_fmadd_ps(z, _mm256_set1_ps(1.44269504088896341f), magic);
-    __m256 n = _mm256_sub_ps(t, magic);
-    __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), z);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 e = _mm256_set1_ps(1.381461275741458e-3f);
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(8.368710055947304e-3f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(4.166838899254799e-2f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.666652113199234e-1f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(4.999999403953552e-1f));
-    e = _mm256_add_ps(_mm256_fmadd_ps(e, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    e = _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
-    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 e = exp8_nonpos_f32(z);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
     big = _mm256_or_ps(big, _mm256_and_ps(sign, x));
     return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
 }
@@ -288,27 +276,7 @@ AVX2 static inline __m256d tanh4_f64(__m256d x)
     /* large: 1 - 2 / (exp(2a) + 1); a NaN stays NaN through min/max (constant first) */
     __m256d z = _mm256_mul_pd(_mm256_set1_pd(2.0),
                               _mm256_min_pd(_mm256_set1_pd(19.1), _mm256_max_pd(_mm256_set1_pd(0.625), a)));
-    const __m256d magic = _mm256_set1_pd(6755399441055744.0); /* 1.5 * 2^52 */
-    __m256d t = _mm256_fmadd_pd(z, _mm256_set1_pd(1.4426950408889634074), magic);
-    __m256d n = _mm256_sub_pd(t, magic);
-    __m256i ni = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic));
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), z);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    __m256d e = _mm256_set1_pd(1.0 / 6227020800.0);
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 479001600.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 39916800.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 3628800.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 362880.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 40320.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 5040.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 720.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 120.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 24.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0 / 6.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(0.5));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0));
-    e = _mm256_fmadd_pd(e, r, _mm256_set1_pd(1.0));
-    e = _mm256_mul_pd(e, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(ni, _mm256_set1_epi64x(1023)), 52)));
+    __m256d e = exp4_f64(z);  /* fa_exp_avx2.h */
     __m256d big = _mm256_sub_pd(_mm256_set1_pd(1.0),
                                 _mm256_div_pd(_mm256_set1_pd(2.0), _mm256_add_pd(e, _mm256_set1_pd(1.0))));
     big = _mm256_or_pd(big, _mm256_and_pd(sign, x));   /* sign of x */
