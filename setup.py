@@ -35,6 +35,15 @@ extensions = [
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
     ),
+    # Multi-head projections (Y = X W^T + b): Cython over cython_blas, no C sources.
+    Extension(
+        "fastattn._proj",
+        sources=["fastattn/_proj.pyx"],
+        include_dirs=[np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES))

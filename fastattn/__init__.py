@@ -16,7 +16,9 @@ except ImportError as _exc:  # pragma: no cover - depends on how it was installe
         f"Original error: {_exc}"
     ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
-from .functional import Plan, explain, scaled_dot_product_attention
+from .functional import Plan, explain, multi_head_attention, scaled_dot_product_attention
+
+from . import layers  # noqa: E402  (pure Python: fastattn.layers.MultiHeadAttention)
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ def simd_active() -> bool:
 
 __all__ = [
     "scaled_dot_product_attention",
+    "multi_head_attention",
     "explain",
     "Plan",
     "get_num_threads",

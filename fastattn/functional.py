@@ -478,3 +478,9 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
+
+
+# Multi-head attention (projections + this module's SDPA) lives in its own module.
+from ._multihead import multi_head_attention  # noqa: E402
+
+__all__ += ["multi_head_attention"]
