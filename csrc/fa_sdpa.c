@@ -50,8 +50,10 @@ void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn se
     __atomic_store_n(&g_blas_set_threads, set_threads, __ATOMIC_RELEASE);
 }
 
-/* Returns the hook used (NULL: none), to be handed to fa_blas_threads_exit. */
-static fa_blas_set_threads_fn fa_blas_threads_enter(void)
+/* Returns the hook used (NULL: none), to be handed to fa_blas_threads_exit.
+ * Exported (fastattn.h): the projection kernels (fastattn/_proj.pyx) hold BLAS
+ * through this same counter. */
+fa_blas_set_threads_fn fa_blas_threads_enter(void)
 {
     fa_blas_set_threads_fn hook = __atomic_load_n(&g_blas_set_threads, __ATOMIC_ACQUIRE);
     if (!hook)
@@ -63,7 +65,7 @@ static fa_blas_set_threads_fn fa_blas_threads_enter(void)
     return hook;
 }
 
-static void fa_blas_threads_exit(fa_blas_set_threads_fn hook)
+void fa_blas_threads_exit(fa_blas_set_threads_fn hook)
 {
     if (!hook)
         return;

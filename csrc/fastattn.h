@@ -39,6 +39,16 @@ typedef int (*fa_blas_set_threads_fn)(int);
 /* Called once by the binding layer. */
 void fa_set_blas(fa_sgemm_fn sgemm, fa_dgemm_fn dgemm, fa_blas_set_threads_fn set_threads);
 
+/* Hold BLAS at one thread while the caller's own threads call it (every kernel
+ * here does this around its parallel part).  Calls may overlap: the first one
+ * in saves the library's setting, the last one out restores it.  Returns the
+ * hook used (NULL when none is installed), to be handed to fa_blas_threads_exit.
+ * fastattn's projection kernels (another extension module) reach these two and
+ * fa_pool_run through their addresses, so that both share one counter and one
+ * worker pool. */
+fa_blas_set_threads_fn fa_blas_threads_enter(void);
+void fa_blas_threads_exit(fa_blas_set_threads_fn hook);
+
 /* Mask kinds. */
 #define FA_MASK_NONE 0
 #define FA_MASK_BOOL 1   /* uint8: nonzero = may attend */

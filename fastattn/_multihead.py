@@ -29,20 +29,21 @@ attention views the keys and values as ``(B, Hkv, 1, Lk, dh)`` and the queries
 as ``(B, Hkv, H / Hkv, Lq, dh)``, so shared key/value heads are broadcast
 (stride 0), never repeated.
 
-Threads: ``n_threads`` is the attention kernel's thread count (see
-:func:`fastattn.get_num_threads`).  The projection GEMMs run on SciPy's
-OpenBLAS at its own thread setting (by default all cores; ``OPENBLAS_NUM_THREADS``
-or ``threadpoolctl`` change it), exactly like ``x @ w.T`` in NumPy would --
-see :mod:`fastattn._proj` for why fastattn does not change it per call.
+Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
+count of every step.  The projection GEMMs are cut into blocks that run on the
+attention kernel's worker pool with BLAS held at one thread, through the same
+save/restore counter (see :mod:`fastattn._proj` for why, and how the two
+extension modules share them).
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _proj, _threads
+from . import _kernels, _proj, _threads
 from ._validation import (
     BLAS_INT_MAX,
     as_array,
@@ -54,6 +55,21 @@ from ._validation import (
 from .functional import scaled_dot_product_attention
 
 __all__ = ["multi_head_attention"]
+
+
+def _install_runtime() -> bool:
+    """Hand _proj the C addresses of _kernels' worker pool and BLAS hold (once, at import)."""
+    try:
+        lib = ctypes.CDLL(_kernels.__file__)
+        addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit")]
+    except (OSError, AttributeError):  # pragma: no cover - symbols not exported on this platform
+        return False
+    _proj.set_runtime(*addrs)
+    return _proj.runtime_installed()
+
+
+_install_runtime()
 
 _ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -320,12 +336,12 @@ def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
     return np.where(km, am, np.array(-np.inf, dtype=cdt))
 
 
-def _linear(x, w, b, rows_out):
+def _linear(x, w, b, rows_out, n_threads):
     """x (nb, M, K) @ w.T + b into a new (nb, M, rows_out) array."""
     nb, M = x.shape[0], x.shape[1]
     y = np.empty((nb, M, rows_out), dtype=w.dtype)
     if nb * M and rows_out:
-        _proj.linear(x, w, b, y)
+        _proj.linear(x, w, b, y, n_threads)
     return y
 
 
@@ -339,17 +355,19 @@ def _project_heads(p: _Prepared):
     """
     B, Lq, Lk, E, H, Hkv, dh = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh
     kvE = Hkv * dh
+    nt = p.n_threads
+    _threads.ensure_blas_hook()
     if p.self_attention and p.w_qkv is not None:
-        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE)  # one GEMM
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
         qb, kb, vb = qkv[..., :E], qkv[..., E:E + kvE], qkv[..., E + kvE:]
     else:
-        qb = _linear(p.q, p.w_q, p.b_q, E)
+        qb = _linear(p.q, p.w_q, p.b_q, E, nt)
         if p.kv_shared and p.w_qkv is not None:  # keys and values in one GEMM
-            kv = _linear(p.k, p.w_qkv[E:], None if p.b_qkv is None else p.b_qkv[E:], 2 * kvE)
+            kv = _linear(p.k, p.w_qkv[E:], None if p.b_qkv is None else p.b_qkv[E:], 2 * kvE, nt)
             kb, vb = kv[..., :kvE], kv[..., kvE:]
         else:
-            kb = _linear(p.k, p.w_k, p.b_k, kvE)
-            vb = _linear(p.v, p.w_v, p.b_v, kvE)
+            kb = _linear(p.k, p.w_k, p.b_k, kvE, nt)
+            vb = _linear(p.v, p.w_v, p.b_v, kvE, nt)
     attn = np.empty((B, Lq, E), dtype=p.cdt)
 
     def heads(buf, L, n):  # (B, L, n * dh) -> (B, n, L, dh), a view
@@ -444,8 +462,8 @@ def multi_head_attention(
         Multiplies the scores; default ``1 / sqrt(dh)``.
     causal_alignment : {"top_left", "bottom_right"}
     n_threads : int, optional
-        Threads of the attention kernel (the projections use BLAS's own threads,
-        see the module docstring).
+        Threads for this call, projections and attention alike (see
+        :func:`fastattn.get_num_threads`).
 
     Returns
     -------
@@ -463,7 +481,7 @@ def multi_head_attention(
     res = scaled_dot_product_attention(
         q, k, v, mask, p.is_causal, p.scale, return_weights=p.want_weights,
         causal_alignment=p.causal_alignment, out=out_view, n_threads=p.n_threads)
-    y = _linear(attn, p.w_out, p.b_out, p.E_out)
+    y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads)
     if p.rdt != p.cdt:
         y = y.astype(p.rdt)
     if not p.batched:

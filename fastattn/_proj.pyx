@@ -8,25 +8,79 @@ Row-major arrays are handed to the Fortran (column-major) gemm as their
 transposes: row-major ``Y (M, N)`` with row stride ``ldy`` is column-major
 ``Y^T (N, M)`` with leading dimension ``ldy``, so ``Y = X W^T`` becomes
 ``Y^T = W X^T`` = ``gemm('T', 'N', N, M, K, 1, W, ldw, X, ldx, beta, Y, ldy)``.
+The bias is written into ``Y`` first and the gemm adds to it (``beta = 1``).
 
-Threads: the projections are large GEMMs (4 E^2 multiply-adds a token against
-the attention's 2 L E), which OpenBLAS parallelises well by itself, so they run
-with SciPy's OpenBLAS at its own thread setting (all cores by default, like
-``x @ w.T`` in NumPy).  This module never changes that setting: the attention
-kernel (``fastattn._kernels``) holds BLAS at one thread with a save/restore
-counter of its own, and a second, independent counter here could leave BLAS
-at the wrong count when calls from several application threads interleave.
+Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
+(of rows, or of columns when there are few rows) that fastattn's worker pool
+hands out one at a time; each block is one single-threaded gemm, and BLAS is
+held at one thread meanwhile through the attention kernel's own save/restore
+counter.  The pool and that counter live in ``fastattn._kernels``; their C
+entry points (``fa_pool_run``, ``fa_blas_threads_enter`` / ``_exit``, see
+csrc/fastattn.h) are handed over once by address (:func:`set_runtime`), so
+both modules share one pool and one counter.  Letting OpenBLAS thread the
+projections itself was measured to be worse: its workers keep spinning for
+~0.1 s after a call and slowed the attention kernel that runs next by up to 2x
+on two cores.  Without the runtime (``set_runtime`` not called) a call is one
+gemm with OpenBLAS's own threading.
 """
 cimport numpy as cnp
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 cnp.import_array()
 
-ctypedef fused real:
-    float
-    double
+ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
+ctypedef int (*stop_fn)(void *ctx) noexcept nogil
+ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
+                            stop_fn stop, void *stop_ctx) noexcept nogil
+ctypedef void *(*hold_enter_fn)() noexcept nogil
+ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
+
+cdef pool_run_fn g_pool_run = NULL
+cdef hold_enter_fn g_hold_enter = NULL
+cdef hold_exit_fn g_hold_exit = NULL
+
+# Blocking (measured on the 2-core AVX2 machine, E = 512): about two blocks a
+# thread keep both cores busy when one is briefly taken by another process;
+# fewer than MIN_BLOCK_ROWS rows a block and the split goes over columns instead
+# (blocks of at least MIN_BLOCK_COLS), so small batches still use every thread.
+DEF MIN_BLOCK_ROWS = 64
+DEF MIN_BLOCK_COLS = 128
+DEF BLOCKS_PER_THREAD = 2
+# Below this many flops a call runs on the calling thread alone.
+DEF PARALLEL_MIN_FLOPS = 2000000.0
+
+
+ctypedef struct lin_ctx:
+    int f32
+    char *x
+    char *w
+    char *b
+    char *y
+    int64_t xbs, ybs          # batch strides (elements)
+    int ldx, ldw, ldy
+    int M, N, K
+    int mb, nbm               # row block size, row blocks per batch item
+    int cb, nbc               # column block size, column blocks
+    int64_t item
+
+
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit):
+    """Install fastattn._kernels' pool and BLAS hold (C addresses); 0s uninstall."""
+    global g_pool_run, g_hold_enter, g_hold_exit
+    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
+        g_pool_run = NULL
+        g_hold_enter = NULL
+        g_hold_exit = NULL
+        return
+    g_hold_enter = <hold_enter_fn>hold_enter
+    g_hold_exit = <hold_exit_fn>hold_exit
+    g_pool_run = <pool_run_fn>pool_run
+
+
+def runtime_installed():
+    return g_pool_run != NULL
 
 
 cdef inline int64_t _rows_ld(cnp.ndarray a, int64_t cols) noexcept:
@@ -37,74 +91,121 @@ cdef inline int64_t _rows_ld(cnp.ndarray a, int64_t cols) noexcept:
     return cnp.PyArray_STRIDES(a)[nd - 2] // cnp.PyArray_ITEMSIZE(a)
 
 
-cdef void _linear(real *x, int64_t xbs, int ldx, real *w, int ldw, real *b,
-                  real *y, int64_t ybs, int ldy, int nb, int M, int N, int K,
-                  bint collapse) noexcept nogil:
+cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef lin_ctx *c = <lin_ctx *>vctx
+    cdef int64_t per = <int64_t>c.nbm * c.nbc
+    cdef int64_t i = t // per
+    cdef int64_t rem = t - i * per
+    cdef int rb = <int>(rem // c.nbc)
+    cdef int cbk = <int>(rem - <int64_t>rb * c.nbc)
+    cdef int r0 = rb * c.mb
+    cdef int c0 = cbk * c.cb
+    cdef int m = c.M - r0
+    cdef int n = c.N - c0
+    cdef int r
     cdef char ta = b'T'
     cdef char tn = b'N'
-    cdef real one = 1
-    cdef real beta = 0
-    cdef int i, r, rows
-    cdef int64_t j
-    if b != NULL:
-        beta = 1
-        for i in range(nb):
-            for r in range(M):
-                memcpy(y + i * ybs + <int64_t>r * ldy, b, N * sizeof(real))
-    if collapse:  # the batch items are one run of equally spaced rows: one gemm
-        rows = nb * M
-        if real is float:
-            sgemm(&ta, &tn, &N, &rows, &K, &one, w, &ldw, x, &ldx, &beta, y, &ldy)
-        else:
-            dgemm(&ta, &tn, &N, &rows, &K, &one, w, &ldw, x, &ldx, &beta, y, &ldy)
+    cdef float one_f = 1, beta_f = 0
+    cdef double one_d = 1, beta_d = 0
+    if m > c.mb:
+        m = c.mb
+    if n > c.cb:
+        n = c.cb
+    if m <= 0 or n <= 0:
         return
-    for i in range(nb):
-        if real is float:
-            sgemm(&ta, &tn, &N, &M, &K, &one, w, &ldw, x + i * xbs, &ldx, &beta,
-                  y + i * ybs, &ldy)
-        else:
-            dgemm(&ta, &tn, &N, &M, &K, &one, w, &ldw, x + i * xbs, &ldx, &beta,
-                  y + i * ybs, &ldy)
+    cdef int64_t it = c.item
+    cdef char *x = c.x + (i * c.xbs + <int64_t>r0 * c.ldx) * it
+    cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
+    cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
+    if c.b != NULL:
+        beta_f = 1
+        beta_d = 1
+        for r in range(m):
+            memcpy(y + <int64_t>r * c.ldy * it, c.b + <int64_t>c0 * it, <size_t>n * it)
+    if c.f32:
+        sgemm(&ta, &tn, &n, &m, &c.K, &one_f, <float *>w, &c.ldw, <float *>x, &c.ldx,
+              &beta_f, <float *>y, &c.ldy)
+    else:
+        dgemm(&ta, &tn, &n, &m, &c.K, &one_d, <double *>w, &c.ldw, <double *>x, &c.ldx,
+              &beta_d, <double *>y, &c.ldy)
 
 
-def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y):
-    """``y[i] = x[i] @ w.T + b`` for every batch item ``i``.
+def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads):
+    """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
 
     x: (nb, M, K), w: (N, K), b: (N,) or None, y: (nb, M, N); one float dtype
     (float32 or float64); last axes contiguous, row strides positive and at
     least a row long (a single row may have any stride), batch strides
-    anything; y does not overlap x, w or b; M, N, K >= 1 and within the BLAS
-    32-bit range.
+    anything; y does not overlap x, w or b; nb, M, N, K >= 1, nb * M, N, K and
+    the strides within the BLAS 32-bit range.  Returns the number of blocks.
     """
+    cdef lin_ctx c
     cdef int nb = <int>cnp.PyArray_DIMS(x)[0]
     cdef int M = <int>cnp.PyArray_DIMS(x)[1]
-    cdef int K = <int>cnp.PyArray_DIMS(x)[2]
-    cdef int N = <int>cnp.PyArray_DIMS(w)[0]
-    cdef int ldx = <int>_rows_ld(x, K)
-    cdef int ldw = <int>_rows_ld(w, K)
-    cdef int ldy = <int>_rows_ld(y, N)
     cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
     cdef int64_t xbs = cnp.PyArray_STRIDES(x)[0] // item
     cdef int64_t ybs = cnp.PyArray_STRIDES(y)[0] // item
-    cdef bint collapse
-    cdef void *bp = NULL
-    if b is not None:
-        bp = cnp.PyArray_DATA(<cnp.ndarray>b)
-    if M == 1 and nb > 1:  # one row per item: the batch stride is the row stride
-        collapse = (xbs >= K and ybs >= N and xbs < 2147483647 and ybs < 2147483647
-                    and xbs > 0 and ybs > 0)
-        if collapse:
-            ldx = <int>xbs
-            ldy = <int>ybs
+    cdef int64_t ntasks, target
+    cdef int nt = n_threads if n_threads > 0 else 1
+    cdef void *hook = NULL
+    c.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
+    c.item = item
+    c.K = <int>cnp.PyArray_DIMS(x)[2]
+    c.N = <int>cnp.PyArray_DIMS(w)[0]
+    c.ldx = <int>_rows_ld(x, c.K)
+    c.ldw = <int>_rows_ld(w, c.K)
+    c.ldy = <int>_rows_ld(y, c.N)
+    c.x = <char *>cnp.PyArray_DATA(x)
+    c.w = <char *>cnp.PyArray_DATA(w)
+    c.y = <char *>cnp.PyArray_DATA(y)
+    c.b = NULL if b is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>b)
+    # the batch items as one run of equally spaced rows: one matrix of nb * M rows
+    if nb == 1:
+        c.M = M
+    elif M == 1 and 0 < xbs < 2147483647 and 0 < ybs < 2147483647 and xbs >= c.K and ybs >= c.N:
+        c.ldx = <int>xbs
+        c.ldy = <int>ybs
+        c.M = nb
+        nb = 1
+    elif xbs == <int64_t>M * c.ldx and ybs == <int64_t>M * c.ldy:
+        c.M = nb * M
+        nb = 1
     else:
-        collapse = nb == 1 or (xbs == <int64_t>M * ldx and ybs == <int64_t>M * ldy)
-    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
+        c.M = M
+    c.xbs = xbs
+    c.ybs = ybs
+    if g_pool_run == NULL or 2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS:
+        nt = 1
+    target = <int64_t>BLOCKS_PER_THREAD * nt if nt > 1 else 1
+    c.mb, c.nbm, c.cb, c.nbc = c.M, 1, c.N, 1
+    if target > nb:
+        target = (target + nb - 1) // nb   # blocks per batch item
+        if c.M >= MIN_BLOCK_ROWS * target:
+            c.mb = (c.M + <int>target - 1) // <int>target
+            c.mb = (c.mb + 7) // 8 * 8
+            c.nbm = (c.M + c.mb - 1) // c.mb
+        else:
+            c.nbc = <int>target
+            if c.nbc > c.N // MIN_BLOCK_COLS:
+                c.nbc = c.N // MIN_BLOCK_COLS
+            if c.nbc < 1:
+                c.nbc = 1
+            c.cb = (c.N + c.nbc - 1) // c.nbc
+            c.cb = (c.cb + 15) // 16 * 16
+            c.nbc = (c.N + c.cb - 1) // c.cb
+    ntasks = <int64_t>nb * c.nbm * c.nbc
+    cdef int64_t t
+    if g_pool_run == NULL:
         with nogil:
-            _linear[float](<float *>cnp.PyArray_DATA(x), xbs, ldx,
-                           <float *>cnp.PyArray_DATA(w), ldw, <float *>bp,
-                           <float *>cnp.PyArray_DATA(y), ybs, ldy, nb, M, N, K, collapse)
-    else:
-        with nogil:
-            _linear[double](<double *>cnp.PyArray_DATA(x), xbs, ldx,
-                            <double *>cnp.PyArray_DATA(w), ldw, <double *>bp,
-                            <double *>cnp.PyArray_DATA(y), ybs, ldy, nb, M, N, K, collapse)
+            for t in range(ntasks):
+                _task(&c, t, 0)
+        return ntasks
+    with nogil:
+        hook = g_hold_enter()
+        if nt > 1 and ntasks > 1:
+            g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _task(&c, t, 0)
+        g_hold_exit(hook)
+    return ntasks
