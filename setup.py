@@ -35,11 +35,12 @@ extensions = [
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
     ),
-    # Multi-head projections (Y = X W^T + b): Cython over cython_blas, no C sources.
+    # Multi-head projections (Y = X W^T + b): Cython over cython_blas, plus a
+    # few-row AVX2 kernel; it runs on _kernels' worker pool (addresses handed over).
     Extension(
         "fastattn._proj",
-        sources=["fastattn/_proj.pyx"],
-        include_dirs=[np.get_include()],
+        sources=["fastattn/_proj.pyx", "csrc/fa_proj.c"],
+        include_dirs=["csrc", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,

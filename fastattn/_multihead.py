@@ -58,11 +58,12 @@ __all__ = ["multi_head_attention"]
 
 
 def _install_runtime() -> bool:
-    """Hand _proj the C addresses of _kernels' worker pool and BLAS hold (once, at import)."""
+    """Hand _proj the C addresses of _kernels' worker pool, BLAS hold and SIMD switch (at import)."""
     try:
         lib = ctypes.CDLL(_kernels.__file__)
         addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit")]
+                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit",
+                              "fa_simd_active")]
     except (OSError, AttributeError):  # pragma: no cover - symbols not exported on this platform
         return False
     _proj.set_runtime(*addrs)

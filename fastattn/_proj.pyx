@@ -10,6 +10,10 @@ transposes: row-major ``Y (M, N)`` with row stride ``ldy`` is column-major
 ``Y^T = W X^T`` = ``gemm('T', 'N', N, M, K, 1, W, ldw, X, ldx, beta, Y, ldy)``.
 The bias is written into ``Y`` first and the gemm adds to it (``beta = 1``).
 
+Float32 blocks of at most 128 rows skip BLAS: csrc/fa_proj.c reads the
+weights in place (register-blocked dot products, AVX2/FMA) instead of packing
+them on every call, which is what makes few-row gemms slow.
+
 Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
 (of rows, or of columns when there are few rows) that fastattn's worker pool
 hands out one at a time; each block is one single-threaded gemm, and BLAS is
@@ -30,16 +34,23 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 cnp.import_array()
 
+cdef extern from "fa_proj.h" nogil:
+    int fa_proj_small_available()
+    int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                          const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
+
 ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
 ctypedef int (*stop_fn)(void *ctx) noexcept nogil
 ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
                             stop_fn stop, void *stop_ctx) noexcept nogil
 ctypedef void *(*hold_enter_fn)() noexcept nogil
 ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
+ctypedef int (*simd_active_fn)() noexcept nogil
 
 cdef pool_run_fn g_pool_run = NULL
 cdef hold_enter_fn g_hold_enter = NULL
 cdef hold_exit_fn g_hold_exit = NULL
+cdef simd_active_fn g_simd_active = NULL
 
 # Blocking (measured on the 2-core AVX2 machine, E = 512): about two blocks a
 # thread keep both cores busy when one is briefly taken by another process;
@@ -50,6 +61,10 @@ DEF MIN_BLOCK_COLS = 128
 DEF BLOCKS_PER_THREAD = 2
 # Below this many flops a call runs on the calling thread alone.
 DEF PARALLEL_MIN_FLOPS = 2000000.0
+# float32 with at most this many rows a block: csrc/fa_proj.c instead of sgemm
+# (the weights read in place rather than packed on every call; measured, one
+# thread, K = 512: 2x sgemm's speed at 16 rows, even at 128).
+DEF SMALL_M = 128
 
 
 ctypedef struct lin_ctx:
@@ -64,11 +79,19 @@ ctypedef struct lin_ctx:
     int mb, nbm               # row block size, row blocks per batch item
     int cb, nbc               # column block size, column blocks
     int64_t item
+    int small                 # use fa_proj_small_f32
 
 
-def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit):
-    """Install fastattn._kernels' pool and BLAS hold (C addresses); 0s uninstall."""
-    global g_pool_run, g_hold_enter, g_hold_exit
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
+                uintptr_t simd_active=0):
+    """Install fastattn._kernels' pool, BLAS hold and SIMD switch (C addresses); 0s uninstall.
+
+    ``simd_active`` (``int f(void)``, fastattn's AVX2 dispatch, which
+    ``FASTATTN_DISABLE_SIMD`` turns off) gates the few-row kernel; without it
+    that kernel is not used.
+    """
+    global g_pool_run, g_hold_enter, g_hold_exit, g_simd_active
+    g_simd_active = <simd_active_fn>simd_active if simd_active else NULL
     if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
         g_pool_run = NULL
         g_hold_enter = NULL
@@ -77,6 +100,11 @@ def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit):
     g_hold_enter = <hold_enter_fn>hold_enter
     g_hold_exit = <hold_exit_fn>hold_exit
     g_pool_run = <pool_run_fn>pool_run
+
+
+def small_kernel_active():
+    """True when float32 blocks of few rows use csrc/fa_proj.c rather than sgemm."""
+    return g_simd_active != NULL and g_simd_active() != 0 and fa_proj_small_available() != 0
 
 
 def runtime_installed():
@@ -117,6 +145,11 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *x = c.x + (i * c.xbs + <int64_t>r0 * c.ldx) * it
     cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
+    if c.small:
+        fa_proj_small_f32(m, n, c.K, <float *>x, c.ldx, <float *>w, c.ldw,
+                          <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                          <float *>y, c.ldy)
+        return
     if c.b != NULL:
         beta_f = 1
         beta_d = 1
@@ -194,6 +227,8 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
             c.cb = (c.cb + 15) // 16 * 16
             c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
+    c.small = (c.f32 and c.mb <= SMALL_M and g_simd_active != NULL and g_simd_active() != 0
+               and fa_proj_small_available() != 0)
     cdef int64_t t
     if g_pool_run == NULL:
         with nogil:

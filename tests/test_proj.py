@@ -30,8 +30,10 @@ def test_runtime_is_installed():
 ])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
-def test_linear_matches_numpy(dtype, nb, M, N, K, bias, n_threads, rng):
+def test_linear_matches_numpy(simd_mode, dtype, nb, M, N, K, bias, n_threads, rng):
+    """Both the few-row AVX2 kernel (float32, <= 32 rows a block) and the sgemm/dgemm blocks."""
     _threads.ensure_blas_hook()
+    assert _proj.small_kernel_active() == (simd_mode == "simd")
     x = randn(rng, (nb, M, K), dtype)
     w = randn(rng, (N, K), dtype)
     b = randn(rng, (N,), dtype) if bias else None
@@ -58,6 +60,21 @@ def test_linear_strided_batches_and_output(dtype, rng):
     assert_close(y, ref, dtype)
     assert np.isnan(out_buf[:, :, :20]).all() and np.isnan(out_buf[:, :, 620:]).all()
     assert blocks == 3 * 2  # two row blocks per batch item on two threads
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 31, 32, 33])
+@pytest.mark.parametrize("K", [1, 7, 8, 9, 64, 513])
+def test_small_kernel_edges(simd_mode, M, K, rng):
+    """Row, column and depth remainders of the 3 x 4 register blocks; strided rows."""
+    _threads.ensure_blas_hook()
+    N = 11
+    x = randn(rng, (1, M, K + 5), np.float32)[:, :, 2:K + 2]
+    w = randn(rng, (N, K + 3), np.float32)[:, 1:K + 1]
+    b = randn(rng, (N,), np.float32)
+    y, _ = _linear(x, w, b, 1)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + b
+    rtol, atol = 2e-5 * max(1, np.sqrt(K) / 8), 2e-5 * max(1, np.sqrt(K) / 8)
+    np.testing.assert_allclose(y, ref, rtol=rtol, atol=atol * max(1.0, np.abs(ref).max()))
 
 
 def test_block_split():
