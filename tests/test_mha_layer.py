@@ -195,7 +195,7 @@ def test_state_dict_errors(rng):
     with pytest.raises(TypeError, match=r"state_dict\['out_proj.bias'\]: expected a real floating-point array, got dtype <U1"):
         m.load_state_dict(dict(sd, **{"out_proj.bias": np.array(["a"] * 8)}))
     before = m.state_dict()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.bias'\]: expected shape \(8,\), got \(9,\)"):
         m.load_state_dict(dict(sd, **{"out_proj.bias": np.zeros(9)}))
     for k, v in m.params.items():  # a failed load leaves the layer as it was
         np.testing.assert_array_equal(v, before[k])
@@ -292,6 +292,25 @@ def test_from_torch_errors():
         MultiHeadAttention.from_torch(dict(sd, in_proj_weight=torch.zeros(20, 8)), num_heads=2)
 
 
+def test_from_torch_state_dict_errors(rng):
+    E = 8
+    sd = {"out_proj.weight": randn(rng, (E, E)), "q_proj_weight": randn(rng, (E, E))}
+    with pytest.raises(ValueError, match=r"state_dict: expected in_proj_weight \(packed\) or q_proj_weight, "
+                                         r"k_proj_weight, v_proj_weight \(separate\)"):
+        MultiHeadAttention.from_torch(sd, num_heads=2)
+    bad = dict(sd, k_proj_weight=randn(rng, (E,)), v_proj_weight=randn(rng, (E, 3)))
+    with pytest.raises(ValueError, match=r"state_dict: k/v_proj_weight must be 2-D, got \(8,\), \(8, 3\)"):
+        MultiHeadAttention.from_torch(bad, num_heads=2)
+    with pytest.raises(ValueError, match=r"state_dict: bias_k \(add_bias_kv=True\) is not supported"):
+        MultiHeadAttention.from_torch(dict(sd, bias_k=np.zeros((1, 1, E))), num_heads=2)
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: expected a 2-D \(E, E\) weight, got shape \(8,\)"):
+        MultiHeadAttention.from_torch({"out_proj.weight": np.zeros(8)}, num_heads=2)
+    # separate layout with other kdim/vdim loads; a GQA state dict (fewer key/value rows) too
+    ok = dict(sd, k_proj_weight=randn(rng, (4, 3)), v_proj_weight=randn(rng, (4, 5)))
+    m = MultiHeadAttention.from_torch(ok, num_heads=2)
+    assert (m.kdim, m.vdim, m.num_kv_heads, m.bias) == (3, 5, 1, False)
+
+
 def test_from_torch_state_dict_needs_no_torch(rng):
     """A state dict of NumPy arrays loads without torch (the inference path never imports it)."""
     E = 8
@@ -379,6 +398,17 @@ def test_from_bert_errors(rng):
         MultiHeadAttention.from_bert(no_dense, num_heads=2, prefix=p)
     with pytest.raises(TypeError, match=r"num_heads: expected a positive integer, got NoneType"):
         MultiHeadAttention.from_bert(sd, num_heads=None, prefix=p)
+    kv = dict(sd, **{p + "attention.self.key.weight": np.zeros((6, 8), np.float32)})
+    with pytest.raises(ValueError, match=r"state_dict: key/value weights \(6, 8\), \(8, 8\) do not fit 2 heads of 4"):
+        MultiHeadAttention.from_bert(kv, num_heads=2, prefix=p)
+    sq = dict(sd, **{p + "attention.self.query.weight": np.zeros((8, 6), np.float32)})
+    with pytest.raises(ValueError, match=r"state_dict: expected square query and output.dense weights \(E, E\), got \(8, 6\)"):
+        MultiHeadAttention.from_bert(sq, num_heads=2, prefix=p)
+    flat = dict(sd, **{p + "attention.self.value.weight": np.zeros(8, np.float32)})
+    with pytest.raises(ValueError, match=r"state_dict\['bert.encoder.layer.0.attention.self.value.weight'\]: expected a 2-D weight"):
+        MultiHeadAttention.from_bert(flat, num_heads=2, prefix=p)
+    with pytest.raises(TypeError, match=r"state_dict: expected a mapping of names to arrays, got list"):
+        MultiHeadAttention.from_bert([], num_heads=2)
 
 
 # --------------------------------------------------------------------------

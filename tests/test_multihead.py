@@ -373,6 +373,22 @@ def test_errors(change, exc, match, rng):
         mha(x, x, x, **kw)
 
 
+def test_unbatched_mask_errors(rng):
+    x, p = _good(rng)
+    with pytest.raises(ValueError, match=r"key_mask: expected shape \(3,\) \(\(Lk,\), True = real token\), got \(2, 3\)"):
+        mha(x[0], x[0], x[0], num_heads=2, key_mask=np.ones((2, 3), bool), **p)
+    with pytest.raises(ValueError, match=r"attn_mask: expected a shape broadcastable to \(num_heads=2, Lq=3, Lk=3\), got \(1, 2, 3, 3\)"):
+        mha(x[0], x[0], x[0], num_heads=2, attn_mask=np.ones((1, 2, 3, 3), bool), **p)
+
+
+def test_blas_range_errors(rng, monkeypatch):
+    """Sizes beyond SciPy's 32-bit BLAS integers are refused up front (shown with a lowered limit)."""
+    x, p = _good(rng)
+    monkeypatch.setattr(_multihead, "BLAS_INT_MAX", 5)
+    with pytest.raises(ValueError, match=r"B \* Lq=6 exceeds the BLAS 32-bit integer range \(max 5\)"):
+        mha(x, x, x, num_heads=2, **p)
+
+
 def test_shape_errors(rng):
     x, p = _good(rng)
     with pytest.raises(ValueError, match=r"query: expected a \(B, Lq, E\) batch or an unbatched \(Lq, E\) array, got 1-d"):
