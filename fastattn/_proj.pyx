@@ -54,17 +54,34 @@ cdef simd_active_fn g_simd_active = NULL
 
 # Blocking (measured on the 2-core AVX2 machine, E = 512): about two blocks a
 # thread keep both cores busy when one is briefly taken by another process;
-# fewer than MIN_BLOCK_ROWS rows a block and the split goes over columns instead
-# (blocks of at least MIN_BLOCK_COLS), so small batches still use every thread.
-DEF MIN_BLOCK_ROWS = 64
-DEF MIN_BLOCK_COLS = 128
-DEF BLOCKS_PER_THREAD = 2
-# Below this many flops a call runs on the calling thread alone.
-DEF PARALLEL_MIN_FLOPS = 2000000.0
-# float32 with at most this many rows a block: csrc/fa_proj.c instead of sgemm
+# fewer than min_block_rows rows a block and the split goes over columns instead
+# (blocks of at least min_block_cols), so small batches still use every thread.
+# float32 blocks of at most small_m rows use csrc/fa_proj.c instead of sgemm
 # (the weights read in place rather than packed on every call; measured, one
 # thread, K = 512: 2x sgemm's speed at 16 rows, even at 128).
-DEF SMALL_M = 128
+# Module state so that benchmarks/ can sweep them (set_tuning).
+cdef int g_blocks_per_thread = 2
+cdef int g_min_block_rows = 64
+cdef int g_min_block_cols = 128
+cdef int g_small_m = 128
+# Below this many flops a call runs on the calling thread alone.
+DEF PARALLEL_MIN_FLOPS = 2000000.0
+
+
+def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None):
+    """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict."""
+    global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m
+    prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
+                min_block_cols=g_min_block_cols, small_m=g_small_m)
+    if blocks_per_thread is not None:
+        g_blocks_per_thread = max(1, int(blocks_per_thread))
+    if min_block_rows is not None:
+        g_min_block_rows = max(1, int(min_block_rows))
+    if min_block_cols is not None:
+        g_min_block_cols = max(1, int(min_block_cols))
+    if small_m is not None:
+        g_small_m = max(0, int(small_m))
+    return prev
 
 
 ctypedef struct lin_ctx:
@@ -209,25 +226,25 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     c.ybs = ybs
     if g_pool_run == NULL or 2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS:
         nt = 1
-    target = <int64_t>BLOCKS_PER_THREAD * nt if nt > 1 else 1
+    target = <int64_t>g_blocks_per_thread * nt if nt > 1 else 1
     c.mb, c.nbm, c.cb, c.nbc = c.M, 1, c.N, 1
     if target > nb:
         target = (target + nb - 1) // nb   # blocks per batch item
-        if c.M >= MIN_BLOCK_ROWS * target:
+        if c.M >= g_min_block_rows * target:
             c.mb = (c.M + <int>target - 1) // <int>target
             c.mb = (c.mb + 7) // 8 * 8
             c.nbm = (c.M + c.mb - 1) // c.mb
         else:
             c.nbc = <int>target
-            if c.nbc > c.N // MIN_BLOCK_COLS:
-                c.nbc = c.N // MIN_BLOCK_COLS
+            if c.nbc > c.N // g_min_block_cols:
+                c.nbc = c.N // g_min_block_cols
             if c.nbc < 1:
                 c.nbc = 1
             c.cb = (c.N + c.nbc - 1) // c.nbc
             c.cb = (c.cb + 15) // 16 * 16
             c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
-    c.small = (c.f32 and c.mb <= SMALL_M and g_simd_active != NULL and g_simd_active() != 0
+    c.small = (c.f32 and c.mb <= g_small_m and g_simd_active != NULL and g_simd_active() != 0
                and fa_proj_small_available() != 0)
     cdef int64_t t
     if g_pool_run == NULL:
