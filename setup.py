@@ -47,9 +47,21 @@ extensions = [
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
     ),
+    # Similarity kernels (fused additive / concat, compiled plugins); they run on
+    # _kernels' worker pool and BLAS hold (addresses handed over at import).
     Extension(
         "fastattn._scores",
         sources=["fastattn/_scores.pyx", "csrc/fa_additive.c", "csrc/fa_pool.c", "csrc/fa_simd.c"],
+        include_dirs=["csrc", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+    ),
+    # Multi-head projections (Y = X W^T + b): Cython over cython_blas, plus a
+    # few-row AVX2 kernel; it runs on _kernels' worker pool (addresses handed over).
+    Extension(
+        "fastattn._proj",
+        sources=["fastattn/_proj.pyx", "csrc/fa_proj.c"],
         include_dirs=["csrc", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,

@@ -161,3 +161,86 @@ def score_neg_l1(q, k, gamma=1.0):
     """-gamma * sum_c |q_ic - k_jc| (the example plugin package's score)."""
     q, k = _f64(q, k)
     return -gamma * np.sum(np.abs(q[..., :, None, :] - k[..., None, :, :]), axis=-1)
+
+def multi_head_attention(
+    query,
+    key,
+    value,
+    *,
+    num_heads,
+    w_query,
+    w_key,
+    w_value,
+    w_out,
+    b_query=None,
+    b_key=None,
+    b_value=None,
+    b_out=None,
+    attn_mask=None,
+    key_mask=None,
+    is_causal=False,
+    num_kv_heads=None,
+    scale=None,
+    causal_alignment="top_left",
+    return_weights=False,
+    average_weights=True,
+):
+    """Multi-head attention in float64, every step spelled out (separate weights).
+
+    Batch-first (B, L, features) or unbatched (L, features).  Key/value heads
+    of grouped-query attention are repeated explicitly (query head h uses
+    key/value head h // (H // Hkv)).  Masks follow fastattn's convention
+    (bool True = may attend; key_mask True = real token); fully masked rows
+    give zero attention.
+    """
+    f64 = np.float64
+    q_in = np.asarray(query, dtype=f64)
+    unbatched = q_in.ndim == 2
+    k_in = np.asarray(key, dtype=f64)
+    v_in = np.asarray(value, dtype=f64)
+    if unbatched:
+        q_in, k_in, v_in = q_in[None], k_in[None], v_in[None]
+    B, Lq, E = q_in.shape
+    Lk = k_in.shape[1]
+    H = num_heads
+    Hkv = H if num_kv_heads is None else num_kv_heads
+    dh = E // H
+
+    def lin(x, w, b):
+        y = x @ np.asarray(w, dtype=f64).T
+        return y if b is None else y + np.asarray(b, dtype=f64)
+
+    q = lin(q_in, w_query, b_query).reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    k = lin(k_in, w_key, b_key).reshape(B, Lk, Hkv, dh).transpose(0, 2, 1, 3)
+    v = lin(v_in, w_value, b_value).reshape(B, Lk, Hkv, dh).transpose(0, 2, 1, 3)
+    group = H // Hkv
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+
+    mask = None
+    if attn_mask is not None:
+        mask = np.asarray(attn_mask)
+        if unbatched:
+            mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)[None]
+        if mask.dtype != np.bool_:
+            mask = mask.astype(f64)
+    if key_mask is not None:
+        km = np.asarray(key_mask, dtype=bool).reshape(B, 1, 1, Lk)
+        if mask is None:
+            mask = km
+        elif mask.dtype == np.bool_:
+            mask = mask & km
+        else:
+            mask = np.where(km, mask, -np.inf)
+    o, w = scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
+                                        causal_alignment=causal_alignment,
+                                        return_weights=True)
+    o = o.transpose(0, 2, 1, 3).reshape(B, Lq, H * dh)
+    out = lin(o, w_out, b_out)
+    if average_weights:
+        w = w.mean(axis=1)
+    if unbatched:
+        out, w = out[0], w[0]
+    if return_weights:
+        return out, w
+    return out

@@ -1,0 +1,500 @@
+"""Multi-head attention: projections, head split, attention, head merge, output projection.
+
+This is part of :mod:`fastattn.functional` (re-exported there and from
+``fastattn``); it lives in its own module to keep the SDPA code apart.
+
+Shapes (batch-first; the unbatched form drops ``B``):
+
+============  ==============================================================
+``B``         batch size
+``Lq``, ``Lk``  query and key/value sequence lengths
+``E``         embedding size of the query (``embed_dim``)
+``kdim``, ``vdim``  feature sizes of key and value inputs (default ``E``)
+``H``         ``num_heads``; ``dh = E // H`` the head size
+``Hkv``       ``num_kv_heads`` (grouped-query attention when ``< H``)
+``E_out``     output size, ``w_out.shape[0]`` (``E`` for PyTorch's layer)
+============  ==============================================================
+
+Weights follow PyTorch's ``nn.Linear`` convention ``(out_features,
+in_features)``: a projection computes ``x @ w.T + b``.
+
+How it runs, with no copy of any activation: the queries, keys and values
+are projected by BLAS GEMMs (:mod:`fastattn._proj`) into buffers laid out
+``(B, L, H, dh)`` -- self-attention with packed weights is *one* GEMM into a
+``(B, L, (H + 2 Hkv) dh)`` buffer; the attention kernel reads those buffers as
+strided ``(B, H, L, dh)`` views and writes its output straight into a
+``(B, Lq, H, dh)`` buffer (again through a strided view), which is exactly the
+``(B * Lq, E)`` matrix the output projection's GEMM takes.  Grouped-query
+attention views the keys and values as ``(B, Hkv, 1, Lk, dh)`` and the queries
+as ``(B, Hkv, H / Hkv, Lq, dh)``, so shared key/value heads are broadcast
+(stride 0), never repeated.
+
+Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
+count of every step.  The projection GEMMs are cut into blocks that run on the
+attention kernel's worker pool with BLAS held at one thread, through the same
+save/restore counter (see :mod:`fastattn._proj` for why, and how the two
+extension modules share them).
+"""
+from __future__ import annotations
+
+import ctypes
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _kernels, _proj, _threads
+from ._validation import (
+    BLAS_INT_MAX,
+    as_array,
+    canonical_matrix_stack,
+    check_float_kind,
+    describe,
+    result_dtypes,
+)
+from .functional import scaled_dot_product_attention
+
+__all__ = ["multi_head_attention"]
+
+
+def _install_runtime() -> bool:
+    """Hand _proj the C addresses of _kernels' worker pool, BLAS hold and SIMD switch (at import)."""
+    try:
+        lib = ctypes.CDLL(_kernels.__file__)
+        addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit",
+                              "fa_simd_active")]
+    except (OSError, AttributeError):  # pragma: no cover - symbols not exported on this platform
+        return False
+    _proj.set_runtime(*addrs)
+    return _proj.runtime_installed()
+
+
+_install_runtime()
+
+_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _check_int(n, name: str, minimum: int = 1) -> int:
+    if isinstance(n, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a positive integer, got bool {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(
+            f"{name}: expected a positive integer, got {type(n).__name__} {n!r}"
+        ) from None
+    if n < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {n}")
+    return n
+
+
+def _check_bool(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def _float_array(x, name: str) -> np.ndarray:
+    a = as_array(x, name)
+    check_float_kind(a, name)
+    return a
+
+
+def _check_matrix(w, name: str, shape: tuple, what: str) -> np.ndarray:
+    a = _float_array(w, name)
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} ({what}), got {a.shape}")
+    return a
+
+
+def _check_bias(b, name: str, n: int, what: str):
+    if b is None:
+        return None
+    a = _float_array(b, name)
+    if a.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},) ({what}), got {a.shape}")
+    return a
+
+
+class _Prepared(NamedTuple):
+    q: np.ndarray          # (B, Lq, E), compute dtype, canonical rows
+    k: np.ndarray          # (B, Lk, kdim)
+    v: np.ndarray          # (B, Lk, vdim)
+    self_attention: bool   # query, key and value are one array (one fused GEMM)
+    kv_shared: bool        # key and value are one array
+    w_qkv: object          # packed ((H + 2 Hkv) dh, E), or None
+    b_qkv: object
+    w_q: object            # separate weights (views of the packed ones when packed)
+    w_k: object
+    w_v: object
+    b_q: object
+    b_k: object
+    b_v: object
+    w_out: np.ndarray
+    b_out: object
+    mask: object           # one canonical mask for the kernel, 4-D (or None)
+    B: int
+    Lq: int
+    Lk: int
+    E: int
+    H: int
+    Hkv: int
+    dh: int
+    E_out: int
+    batched: bool
+    is_causal: bool
+    want_weights: bool
+    average: bool
+    scale: object
+    causal_alignment: str
+    n_threads: int
+    cdt: np.dtype
+    rdt: np.dtype
+
+
+def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
+             b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
+             return_weights, average_weights, num_kv_heads, scale, causal_alignment,
+             n_threads) -> _Prepared:
+    H = _check_int(num_heads, "num_heads")
+    Hkv = H if num_kv_heads is None else _check_int(num_kv_heads, "num_kv_heads")
+    if H % Hkv:
+        raise ValueError(
+            f"num_kv_heads: expected a divisor of num_heads={H} (each key/value head "
+            f"serves num_heads / num_kv_heads query heads), got {Hkv}"
+        )
+    is_causal = _check_bool(is_causal, "is_causal")
+    want_weights = _check_bool(return_weights, "return_weights")
+    average = _check_bool(average_weights, "average_weights")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment: expected 'top_left' or 'bottom_right', got {causal_alignment!r}"
+        )
+    if scale is not None and (isinstance(scale, (bool, np.bool_))
+                              or not isinstance(scale, (int, float, np.integer, np.floating))):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__} {scale!r}")
+    nt = _threads.resolve(n_threads)
+
+    self_attention = query is key and key is value
+    kv_shared = key is value
+    q = _float_array(query, "query")
+    k = q if query is key else _float_array(key, "key")
+    v = k if kv_shared else _float_array(value, "value")
+    if q.ndim not in (2, 3):
+        raise ValueError(
+            "query: expected a (B, Lq, E) batch or an unbatched (Lq, E) array, "
+            f"got {q.ndim}-d array of shape {q.shape}"
+        )
+    batched = q.ndim == 3
+    for name, a in (("key", k), ("value", v)):
+        if a.ndim != q.ndim:
+            want = "(B, Lk, features)" if batched else "(Lk, features), unbatched like query"
+            raise ValueError(
+                f"{name}: expected a {q.ndim}-d array {want}, got {a.ndim}-d array of shape {a.shape}"
+            )
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    B, Lq, E = q.shape
+    Lk = k.shape[1]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"key/value: expected batch size {B} (query's), got key of shape {k.shape} "
+            f"and value of shape {v.shape}"
+        )
+    if v.shape[1] != Lk:
+        raise ValueError(
+            f"value: expected {Lk} rows (key's length Lk), got value of shape {v.shape[-2:]}"
+        )
+    if E < 1 or E % H:
+        raise ValueError(
+            f"query: expected an embedding size E divisible by num_heads={H}, got E={E} "
+            f"(query of shape {q.shape if batched else q.shape[1:]})"
+        )
+    dh = E // H
+    kvE = Hkv * dh
+    kdim, vdim = k.shape[2], v.shape[2]
+    for name, val in (("B * Lq", B * Lq), ("B * Lk", B * Lk), ("E", E), ("kdim", kdim),
+                      ("vdim", vdim), ("projection size", E + 2 * kvE)):
+        if val > BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}={val} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX})"
+            )
+
+    separate = (w_query, w_key, w_value)
+    if w_qkv is not None:
+        for name, a in zip(("w_query", "w_key", "w_value", "b_query", "b_key", "b_value"),
+                           separate + (b_query, b_key, b_value)):
+            if a is not None:
+                raise ValueError(
+                    f"{name}: give either the packed w_qkv (with b_qkv) or the separate "
+                    f"w_query/w_key/w_value (with b_query/b_key/b_value), not both; got w_qkv and {name}"
+                )
+        if kdim != E or vdim != E:
+            raise ValueError(
+                f"w_qkv: packed weights need key and value of query's size E={E}, got "
+                f"kdim={kdim}, vdim={vdim}; pass w_query, w_key and w_value instead"
+            )
+        rows = E + 2 * kvE
+        wp = _check_matrix(w_qkv, "w_qkv", (rows, E),
+                           "(num_heads + 2 * num_kv_heads) * head_dim, E")
+        bp = _check_bias(b_qkv, "b_qkv", rows, "(num_heads + 2 * num_kv_heads) * head_dim")
+        wq = wk = wv = bq = bk = bv = None
+    else:
+        if b_qkv is not None:
+            raise ValueError("b_qkv: the packed bias goes with the packed w_qkv, which was not given; "
+                             "pass b_query, b_key and b_value with separate weights")
+        missing = [n for n, a in zip(("w_query", "w_key", "w_value"), separate) if a is None]
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: expected the projection weights, either packed (w_qkv) or all of "
+                f"w_query, w_key, w_value; missing {', '.join(missing)}"
+            )
+        wp = bp = None
+        wq = _check_matrix(w_query, "w_query", (E, E), "E, E")
+        wk = _check_matrix(w_key, "w_key", (kvE, kdim), "num_kv_heads * head_dim, kdim")
+        wv = _check_matrix(w_value, "w_value", (kvE, vdim), "num_kv_heads * head_dim, vdim")
+        bq = _check_bias(b_query, "b_query", E, "E")
+        bk = _check_bias(b_key, "b_key", kvE, "num_kv_heads * head_dim")
+        bv = _check_bias(b_value, "b_value", kvE, "num_kv_heads * head_dim")
+    wo = _float_array(w_out, "w_out")
+    if wo.ndim != 2 or wo.shape[1] != E or wo.shape[0] < 1:
+        raise ValueError(f"w_out: expected shape (E_out, E={E}), got {wo.shape}")
+    E_out = wo.shape[0]
+    if E_out > BLAS_INT_MAX:
+        raise ValueError(f"E_out={E_out} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX})")
+    bo = _check_bias(b_out, "b_out", E_out, "E_out")
+
+    params = [a for a in (wp, bp, wq, wk, wv, bq, bk, bv, wo, bo) if a is not None]
+    cdt, rdt = result_dtypes(q, k, v, *params)
+
+    mask = _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt)
+
+    qc = canonical_matrix_stack(q, cdt)
+    kc = qc if query is key else canonical_matrix_stack(k, cdt)
+    vc = kc if kv_shared else canonical_matrix_stack(v, cdt)
+
+    def mat(a):
+        return None if a is None else canonical_matrix_stack(a, cdt)
+
+    def vec(a):
+        return None if a is None else np.ascontiguousarray(a, dtype=cdt)
+
+    wp, wq, wk, wv, wo = mat(wp), mat(wq), mat(wk), mat(wv), mat(wo)
+    bp, bq, bk, bv, bo = vec(bp), vec(bq), vec(bk), vec(bv), vec(bo)
+    if wp is not None:  # row blocks of the packed weights (views) for the unfused cases
+        wq, wk, wv = wp[:E], wp[E:E + kvE], wp[E + kvE:]
+        if bp is not None:
+            bq, bk, bv = bp[:E], bp[E:E + kvE], bp[E + kvE:]
+    return _Prepared(qc, kc, vc, self_attention, kv_shared, wp, bp, wq, wk, wv, bq, bk, bv,
+                     wo, bo, mask, B, Lq, Lk, E, H, Hkv, dh, E_out, batched, is_causal,
+                     want_weights, average, scale, causal_alignment, nt, cdt, rdt)
+
+
+def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
+    """One mask for the kernel, 4-D and broadcastable to (B, H, Lq, Lk), or None."""
+    km = None
+    if key_mask is not None:
+        km = as_array(key_mask, "key_mask")
+        want = (B, Lk) if batched else (Lk,)
+        if km.dtype != np.bool_:
+            raise TypeError(
+                f"key_mask: expected a bool array of shape {want} (True = real token, "
+                f"False = padding), got dtype {km.dtype}"
+            )
+        if km.shape != want:
+            raise ValueError(
+                f"key_mask: expected shape {want} ({'(B, Lk)' if batched else '(Lk,)'}, "
+                f"True = real token), got {km.shape}"
+            )
+        km = km.reshape(B, 1, 1, Lk)  # a view: (B, 1, 1, Lk) is used as it is
+    am = None
+    if attn_mask is not None:
+        am = as_array(attn_mask, "attn_mask")
+        if am.dtype != np.bool_ and not (am.dtype.kind == "f" and am.dtype.itemsize <= 8):
+            raise TypeError(
+                "attn_mask: expected a bool mask (True = may attend) or a float mask "
+                f"(added to the scores), got dtype {am.dtype}"
+            )
+        full = (B, H, Lq, Lk) if batched else (H, Lq, Lk)
+        names = ("B", "num_heads", "Lq", "Lk")[-len(full):]
+        ok = am.ndim <= len(full) and all(
+            s in (1, n) for s, n in zip(am.shape[::-1], full[::-1]))
+        if not ok:
+            spelled = ", ".join(f"{n}={s}" for n, s in zip(names, full))
+            raise ValueError(
+                f"attn_mask: expected a shape broadcastable to ({spelled}), got {am.shape}"
+            )
+        am = am.reshape((1,) * (4 - am.ndim) + am.shape)
+        if am.dtype.kind == "f" and am.dtype != cdt:
+            am = am.astype(cdt)
+    if km is None:
+        return am
+    if am is None:
+        return km
+    if am.dtype == np.bool_:
+        return am & km
+    return np.where(km, am, np.array(-np.inf, dtype=cdt))
+
+
+def _linear(x, w, b, rows_out, n_threads):
+    """x (nb, M, K) @ w.T + b into a new (nb, M, rows_out) array."""
+    nb, M = x.shape[0], x.shape[1]
+    y = np.empty((nb, M, rows_out), dtype=w.dtype)
+    if nb * M and rows_out:
+        _proj.linear(x, w, b, y, n_threads)
+    return y
+
+
+def _project_heads(p: _Prepared):
+    """The projections, viewed as heads: (q, k, v, mask, out_view, attn) for the kernel.
+
+    ``q`` is ``(B, H, Lq, dh)`` (``(B, Hkv, G, Lq, dh)`` for grouped-query),
+    ``k``, ``v`` ``(B, H, Lk, dh)`` (``(B, Hkv, 1, Lk, dh)``): strided views of
+    the projection buffers.  ``attn`` is the ``(B, Lq, E)`` buffer the kernel
+    writes through ``out_view``.
+    """
+    B, Lq, Lk, E, H, Hkv, dh = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh
+    kvE = Hkv * dh
+    nt = p.n_threads
+    _threads.ensure_blas_hook()
+    if p.self_attention and p.w_qkv is not None:
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
+        qb, kb, vb = qkv[..., :E], qkv[..., E:E + kvE], qkv[..., E + kvE:]
+    else:
+        qb = _linear(p.q, p.w_q, p.b_q, E, nt)
+        if p.kv_shared and p.w_qkv is not None:  # keys and values in one GEMM
+            kv = _linear(p.k, p.w_qkv[E:], None if p.b_qkv is None else p.b_qkv[E:], 2 * kvE, nt)
+            kb, vb = kv[..., :kvE], kv[..., kvE:]
+        else:
+            kb = _linear(p.k, p.w_k, p.b_k, kvE, nt)
+            vb = _linear(p.v, p.w_v, p.b_v, kvE, nt)
+    attn = np.empty((B, Lq, E), dtype=p.cdt)
+
+    def heads(buf, L, n):  # (B, L, n * dh) -> (B, n, L, dh), a view
+        return buf.reshape(B, L, n, dh).transpose(0, 2, 1, 3)
+
+    q, k, v, out = heads(qb, Lq, H), heads(kb, Lk, Hkv), heads(vb, Lk, Hkv), heads(attn, Lq, H)
+    mask = p.mask
+    if Hkv != H:
+        G = H // Hkv
+        q = q.reshape(B, Hkv, G, Lq, dh)
+        out = out.reshape(B, Hkv, G, Lq, dh)
+        k = k[:, :, None]
+        v = v[:, :, None]
+        if mask is not None:
+            mb, mh, mq, mk = mask.shape
+            mask = mask.reshape(mb, Hkv, G, mq, mk) if mh == H else mask[:, :, None]
+    return q, k, v, mask, out, attn
+
+
+def multi_head_attention(
+    query,
+    key,
+    value,
+    *,
+    num_heads,
+    w_qkv=None,
+    b_qkv=None,
+    w_query=None,
+    w_key=None,
+    w_value=None,
+    b_query=None,
+    b_key=None,
+    b_value=None,
+    w_out,
+    b_out=None,
+    attn_mask=None,
+    key_mask=None,
+    is_causal=False,
+    return_weights=False,
+    average_weights=True,
+    num_kv_heads=None,
+    scale=None,
+    causal_alignment="top_left",
+    n_threads=None,
+):
+    """Multi-head attention with input and output projections (inference).
+
+    ``out = concat_h(attention(q W_q,h^T + b_q,h, k W_k,h^T + b_k,h, v W_v,h^T + b_v,h)) W_out^T + b_out``
+
+    Parameters
+    ----------
+    query : array_like, shape (B, Lq, E) or unbatched (Lq, E)
+    key : array_like, shape (B, Lk, kdim) or (Lk, kdim)
+    value : array_like, shape (B, Lk, vdim) or (Lk, vdim)
+        Pass the same array three times for self-attention: with packed
+        weights the three projections are then one GEMM.
+    num_heads : int
+        ``H``; must divide ``E``.  The head size is ``dh = E // H``.
+    w_qkv, b_qkv : array_like, shapes ((H + 2 Hkv) dh, E) and ((H + 2 Hkv) dh,)
+        Packed query/key/value projection (PyTorch's ``in_proj_weight`` /
+        ``in_proj_bias`` when ``Hkv == H``): rows ``[0, E)`` project the
+        queries, then ``Hkv dh`` rows for the keys, then the values.  Needs
+        ``kdim == vdim == E``.
+    w_query, w_key, w_value : array_like, shapes (E, E), (Hkv dh, kdim), (Hkv dh, vdim)
+        Separate projections instead of ``w_qkv`` (PyTorch's
+        ``q_proj_weight`` ...; BERT's ``query`` / ``key`` / ``value``).
+    b_query, b_key, b_value : array_like, optional, shapes (E,), (Hkv dh,), (Hkv dh,)
+    w_out, b_out : array_like, shapes (E_out, E) and (E_out,)
+        The output projection (PyTorch's ``out_proj``).
+    attn_mask : array_like, optional, broadcastable to (B, H, Lq, Lk) (unbatched: (H, Lq, Lk))
+        Boolean: True where a query may attend to a key -- the *opposite* of
+        a boolean mask in ``torch.nn.MultiheadAttention``.  Float: added to
+        the scaled scores (``-inf`` forbids).  A 3-D mask is ``(H, Lq, Lk)``
+        (broadcast over the batch), not PyTorch's ``(B * H, Lq, Lk)``.
+    key_mask : array_like of bool, optional, shape (B, Lk) (unbatched: (Lk,))
+        True for real tokens, False for padding -- the opposite polarity of
+        PyTorch's ``key_padding_mask``.  Combined with ``attn_mask``, a key
+        must be allowed by both.
+    is_causal : bool
+        Query ``i`` attends only to keys ``j <= i`` (``j <= i + Lk - Lq`` with
+        ``causal_alignment="bottom_right"``); combines with the masks.
+    return_weights : bool
+        Also return the attention weights (PyTorch's ``need_weights``, but off
+        by default, and computed on the same fast kernel).
+    average_weights : bool
+        Weights averaged over heads, shape (B, Lq, Lk) (PyTorch's
+        ``average_attn_weights``), or per head, (B, H, Lq, Lk).
+    num_kv_heads : int, optional
+        ``Hkv``, a divisor of ``H``: grouped-query attention (multi-query when
+        1); query head ``h`` uses key/value head ``h // (H // Hkv)``.  Default ``H``.
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(dh)``.
+    causal_alignment : {"top_left", "bottom_right"}
+    n_threads : int, optional
+        Threads for this call, projections and attention alike (see
+        :func:`fastattn.get_num_threads`).
+
+    Returns
+    -------
+    ndarray of shape (B, Lq, E_out) (unbatched: (Lq, E_out)), or ``(output, weights)``.
+    Rows whose every key is masked give zero attention (the output is then
+    ``b_out``), and zero weights.  The dtype follows NumPy promotion of the
+    inputs, weights and biases, as in :func:`scaled_dot_product_attention`.
+    Inputs are never modified.
+    """
+    p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
+                 b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
+                 return_weights, average_weights, num_kv_heads, scale, causal_alignment,
+                 n_threads)
+    q, k, v, mask, out_view, attn = _project_heads(p)
+    res = scaled_dot_product_attention(
+        q, k, v, mask, p.is_causal, p.scale, return_weights=p.want_weights,
+        causal_alignment=p.causal_alignment, out=out_view, n_threads=p.n_threads)
+    y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads)
+    if p.rdt != p.cdt:
+        y = y.astype(p.rdt)
+    if not p.batched:
+        y = y[0]
+    if not p.want_weights:
+        return y
+    w = res[1].reshape(p.B, p.H, p.Lq, p.Lk)
+    if p.average:  # as torch: the sum over heads / H (half the time of ndarray.mean here)
+        w = np.add.reduce(w, axis=1)
+        w *= w.dtype.type(1.0 / p.H)
+    if p.rdt != p.cdt:
+        w = w.astype(p.rdt)
+    if not p.batched:
+        w = w[0]
+    return y, w

@@ -1,0 +1,263 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Projection kernels for multi-head attention: ``Y = X W^T + b`` over BLAS.
+
+Canonical buffers in, a preallocated output, GIL released, no user-facing
+checks: ``fastattn._multihead`` validates every argument before it calls here.
+
+Row-major arrays are handed to the Fortran (column-major) gemm as their
+transposes: row-major ``Y (M, N)`` with row stride ``ldy`` is column-major
+``Y^T (N, M)`` with leading dimension ``ldy``, so ``Y = X W^T`` becomes
+``Y^T = W X^T`` = ``gemm('T', 'N', N, M, K, 1, W, ldw, X, ldx, beta, Y, ldy)``.
+The bias is written into ``Y`` first and the gemm adds to it (``beta = 1``).
+
+Float32 blocks of at most 128 rows skip BLAS: csrc/fa_proj.c reads the
+weights in place (register-blocked dot products, AVX2/FMA) instead of packing
+them on every call, which is what makes few-row gemms slow.
+
+Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
+(of rows, or of columns when there are few rows) that fastattn's worker pool
+hands out one at a time; each block is one single-threaded gemm, and BLAS is
+held at one thread meanwhile through the attention kernel's own save/restore
+counter.  The pool and that counter live in ``fastattn._kernels``; their C
+entry points (``fa_pool_run``, ``fa_blas_threads_enter`` / ``_exit``, see
+csrc/fastattn.h) are handed over once by address (:func:`set_runtime`), so
+both modules share one pool and one counter.  Letting OpenBLAS thread the
+projections itself was measured to be worse: its workers keep spinning for
+~0.1 s after a call and slowed the attention kernel that runs next by up to 2x
+on two cores.  Without the runtime (``set_runtime`` not called) a call is one
+gemm with OpenBLAS's own threading.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uintptr_t
+from libc.string cimport memcpy
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+
+cnp.import_array()
+
+cdef extern from "fa_proj.h" nogil:
+    int fa_proj_small_available()
+    int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                          const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
+
+ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
+ctypedef int (*stop_fn)(void *ctx) noexcept nogil
+ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
+                            stop_fn stop, void *stop_ctx) noexcept nogil
+ctypedef void *(*hold_enter_fn)() noexcept nogil
+ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
+ctypedef int (*simd_active_fn)() noexcept nogil
+
+cdef pool_run_fn g_pool_run = NULL
+cdef hold_enter_fn g_hold_enter = NULL
+cdef hold_exit_fn g_hold_exit = NULL
+cdef simd_active_fn g_simd_active = NULL
+
+# Blocking (measured on the 2-core AVX2 machine, E = 512): about two blocks a
+# thread keep both cores busy when one is briefly taken by another process;
+# fewer than min_block_rows rows a block and the split goes over columns instead
+# (blocks of at least min_block_cols), so small batches still use every thread.
+# float32 blocks of at most small_m rows use csrc/fa_proj.c instead of sgemm
+# (the weights read in place rather than packed on every call; measured, one
+# thread, K = 512: 2x sgemm's speed at 16 rows, even at 128).
+# Module state so that benchmarks/ can sweep them (set_tuning).
+cdef int g_blocks_per_thread = 2
+cdef int g_min_block_rows = 64
+cdef int g_min_block_cols = 128
+cdef int g_small_m = 128
+# Below this many flops a call runs on the calling thread alone.
+DEF PARALLEL_MIN_FLOPS = 2000000.0
+
+
+def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None):
+    """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict."""
+    global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m
+    prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
+                min_block_cols=g_min_block_cols, small_m=g_small_m)
+    if blocks_per_thread is not None:
+        g_blocks_per_thread = max(1, int(blocks_per_thread))
+    if min_block_rows is not None:
+        g_min_block_rows = max(1, int(min_block_rows))
+    if min_block_cols is not None:
+        g_min_block_cols = max(1, int(min_block_cols))
+    if small_m is not None:
+        g_small_m = max(0, int(small_m))
+    return prev
+
+
+ctypedef struct lin_ctx:
+    int f32
+    char *x
+    char *w
+    char *b
+    char *y
+    int64_t xbs, ybs          # batch strides (elements)
+    int ldx, ldw, ldy
+    int M, N, K
+    int mb, nbm               # row block size, row blocks per batch item
+    int cb, nbc               # column block size, column blocks
+    int64_t item
+    int small                 # use fa_proj_small_f32
+
+
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
+                uintptr_t simd_active=0):
+    """Install fastattn._kernels' pool, BLAS hold and SIMD switch (C addresses); 0s uninstall.
+
+    ``simd_active`` (``int f(void)``, fastattn's AVX2 dispatch, which
+    ``FASTATTN_DISABLE_SIMD`` turns off) gates the few-row kernel; without it
+    that kernel is not used.
+    """
+    global g_pool_run, g_hold_enter, g_hold_exit, g_simd_active
+    g_simd_active = <simd_active_fn>simd_active if simd_active else NULL
+    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
+        g_pool_run = NULL
+        g_hold_enter = NULL
+        g_hold_exit = NULL
+        return
+    g_hold_enter = <hold_enter_fn>hold_enter
+    g_hold_exit = <hold_exit_fn>hold_exit
+    g_pool_run = <pool_run_fn>pool_run
+
+
+def small_kernel_active():
+    """True when float32 blocks of few rows use csrc/fa_proj.c rather than sgemm."""
+    return g_simd_active != NULL and g_simd_active() != 0 and fa_proj_small_available() != 0
+
+
+def runtime_installed():
+    return g_pool_run != NULL
+
+
+cdef inline int64_t _rows_ld(cnp.ndarray a, int64_t cols) noexcept:
+    """Row stride in elements of the last two axes; a single row gets a BLAS-valid one."""
+    cdef int nd = cnp.PyArray_NDIM(a)
+    if cnp.PyArray_DIMS(a)[nd - 2] <= 1:
+        return cols if cols > 0 else 1
+    return cnp.PyArray_STRIDES(a)[nd - 2] // cnp.PyArray_ITEMSIZE(a)
+
+
+cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef lin_ctx *c = <lin_ctx *>vctx
+    cdef int64_t per = <int64_t>c.nbm * c.nbc
+    cdef int64_t i = t // per
+    cdef int64_t rem = t - i * per
+    cdef int rb = <int>(rem // c.nbc)
+    cdef int cbk = <int>(rem - <int64_t>rb * c.nbc)
+    cdef int r0 = rb * c.mb
+    cdef int c0 = cbk * c.cb
+    cdef int m = c.M - r0
+    cdef int n = c.N - c0
+    cdef int r
+    cdef char ta = b'T'
+    cdef char tn = b'N'
+    cdef float one_f = 1, beta_f = 0
+    cdef double one_d = 1, beta_d = 0
+    if m > c.mb:
+        m = c.mb
+    if n > c.cb:
+        n = c.cb
+    if m <= 0 or n <= 0:
+        return
+    cdef int64_t it = c.item
+    cdef char *x = c.x + (i * c.xbs + <int64_t>r0 * c.ldx) * it
+    cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
+    cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
+    if c.small:
+        fa_proj_small_f32(m, n, c.K, <float *>x, c.ldx, <float *>w, c.ldw,
+                          <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                          <float *>y, c.ldy)
+        return
+    if c.b != NULL:
+        beta_f = 1
+        beta_d = 1
+        for r in range(m):
+            memcpy(y + <int64_t>r * c.ldy * it, c.b + <int64_t>c0 * it, <size_t>n * it)
+    if c.f32:
+        sgemm(&ta, &tn, &n, &m, &c.K, &one_f, <float *>w, &c.ldw, <float *>x, &c.ldx,
+              &beta_f, <float *>y, &c.ldy)
+    else:
+        dgemm(&ta, &tn, &n, &m, &c.K, &one_d, <double *>w, &c.ldw, <double *>x, &c.ldx,
+              &beta_d, <double *>y, &c.ldy)
+
+
+def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads):
+    """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
+
+    x: (nb, M, K), w: (N, K), b: (N,) or None, y: (nb, M, N); one float dtype
+    (float32 or float64); last axes contiguous, row strides positive and at
+    least a row long (a single row may have any stride), batch strides
+    anything; y does not overlap x, w or b; nb, M, N, K >= 1, nb * M, N, K and
+    the strides within the BLAS 32-bit range.  Returns the number of blocks.
+    """
+    cdef lin_ctx c
+    cdef int nb = <int>cnp.PyArray_DIMS(x)[0]
+    cdef int M = <int>cnp.PyArray_DIMS(x)[1]
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
+    cdef int64_t xbs = cnp.PyArray_STRIDES(x)[0] // item
+    cdef int64_t ybs = cnp.PyArray_STRIDES(y)[0] // item
+    cdef int64_t ntasks, target
+    cdef int nt = n_threads if n_threads > 0 else 1
+    cdef void *hook = NULL
+    c.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
+    c.item = item
+    c.K = <int>cnp.PyArray_DIMS(x)[2]
+    c.N = <int>cnp.PyArray_DIMS(w)[0]
+    c.ldx = <int>_rows_ld(x, c.K)
+    c.ldw = <int>_rows_ld(w, c.K)
+    c.ldy = <int>_rows_ld(y, c.N)
+    c.x = <char *>cnp.PyArray_DATA(x)
+    c.w = <char *>cnp.PyArray_DATA(w)
+    c.y = <char *>cnp.PyArray_DATA(y)
+    c.b = NULL if b is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>b)
+    # the batch items as one run of equally spaced rows: one matrix of nb * M rows
+    if nb == 1:
+        c.M = M
+    elif M == 1 and 0 < xbs < 2147483647 and 0 < ybs < 2147483647 and xbs >= c.K and ybs >= c.N:
+        c.ldx = <int>xbs
+        c.ldy = <int>ybs
+        c.M = nb
+        nb = 1
+    elif xbs == <int64_t>M * c.ldx and ybs == <int64_t>M * c.ldy:
+        c.M = nb * M
+        nb = 1
+    else:
+        c.M = M
+    c.xbs = xbs
+    c.ybs = ybs
+    if g_pool_run == NULL or 2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS:
+        nt = 1
+    target = <int64_t>g_blocks_per_thread * nt if nt > 1 else 1
+    c.mb, c.nbm, c.cb, c.nbc = c.M, 1, c.N, 1
+    if target > nb:
+        target = (target + nb - 1) // nb   # blocks per batch item
+        if c.M >= g_min_block_rows * target:
+            c.mb = (c.M + <int>target - 1) // <int>target
+            c.mb = (c.mb + 7) // 8 * 8
+            c.nbm = (c.M + c.mb - 1) // c.mb
+        else:
+            c.nbc = <int>target
+            if c.nbc > c.N // g_min_block_cols:
+                c.nbc = c.N // g_min_block_cols
+            if c.nbc < 1:
+                c.nbc = 1
+            c.cb = (c.N + c.nbc - 1) // c.nbc
+            c.cb = (c.cb + 15) // 16 * 16
+            c.nbc = (c.N + c.cb - 1) // c.cb
+    ntasks = <int64_t>nb * c.nbm * c.nbc
+    c.small = (c.f32 and c.mb <= g_small_m and g_simd_active != NULL and g_simd_active() != 0
+               and fa_proj_small_available() != 0)
+    cdef int64_t t
+    if g_pool_run == NULL:
+        with nogil:
+            for t in range(ntasks):
+                _task(&c, t, 0)
+        return ntasks
+    with nogil:
+        hook = g_hold_enter()
+        if nt > 1 and ntasks > 1:
+            g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _task(&c, t, 0)
+        g_hold_exit(hook)
+    return ntasks

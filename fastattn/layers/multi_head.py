@@ -1,0 +1,425 @@
+"""``MultiHeadAttention``: parameters, initialisation, state dicts, configs and loaders.
+
+Pure Python: every computation is a call to
+:func:`fastattn.functional.multi_head_attention`.
+
+Parameter names are PyTorch's (``torch.nn.MultiheadAttention``), so a torch
+state dict loads as it is:
+
+* ``in_proj_weight`` ``((H + 2 Hkv) dh, E)`` when ``kdim == vdim == E``,
+  otherwise ``q_proj_weight`` ``(E, E)``, ``k_proj_weight`` ``(Hkv dh, kdim)``
+  and ``v_proj_weight`` ``(Hkv dh, vdim)``;
+* ``in_proj_bias`` ``((H + 2 Hkv) dh,)`` (packed in both layouts, as in torch);
+* ``out_proj.weight`` ``(E, E)`` and ``out_proj.bias`` ``(E,)``.
+
+With ``bias=False`` the two biases are absent.  ``Hkv = num_kv_heads``
+(grouped-query attention) is an extension: torch has no such layer, so a
+state dict with ``Hkv < H`` only comes from fastattn itself.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+
+import numpy as np
+
+from .. import functional
+
+__all__ = ["MultiHeadAttention"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_CONFIG_KEYS = ("embed_dim", "num_heads", "kdim", "vdim", "bias", "num_kv_heads", "dtype")
+
+
+def _check_int(n, name):
+    if isinstance(n, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a positive integer, got bool {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name}: expected a positive integer, got {type(n).__name__} {n!r}") from None
+    if n < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {n}")
+    return n
+
+
+def _check_dtype(dtype):
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
+    if dt not in _DTYPES:
+        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    return dt
+
+
+def _to_numpy(value, name):
+    """A NumPy array from an array-like or a torch tensor (duck-typed: torch is not imported)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        if hasattr(value, "numpy"):
+            value = value.numpy()
+    try:
+        a = np.asarray(value)
+    except Exception as exc:
+        raise TypeError(f"{name}: expected an array or tensor, got {type(value).__name__} ({exc})") from None
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{name}: expected a real floating-point array, got dtype {a.dtype}")
+    return a
+
+
+class MultiHeadAttention:
+    """Multi-head attention with input and output projections (inference).
+
+    Parameters
+    ----------
+    embed_dim : int
+        ``E``, the query size and the output size.
+    num_heads : int
+        ``H``, a divisor of ``E``; heads have ``dh = E // H`` features.
+    kdim, vdim : int, optional
+        Feature sizes of key and value inputs (default ``E``).
+    bias : bool
+        Whether the projections have biases.
+    num_kv_heads : int, optional
+        ``Hkv``, a divisor of ``H`` (default ``H``): grouped-query attention;
+        1 is multi-query attention.
+    dtype : float32 or float64
+        Parameter dtype.  Inputs of another dtype are computed by NumPy
+        promotion (float64 inputs with float32 parameters give float64).
+    seed : int or numpy.random.Generator, optional
+        Initialisation like PyTorch's: Xavier-uniform projection weights
+        (the packed ``in_proj_weight`` as one matrix), ``U(-1/sqrt(E), 1/sqrt(E))``
+        for ``out_proj.weight``, zero biases.
+
+    Calling the layer: ``mha(query, key=None, value=None, *, attn_mask=None,
+    key_mask=None, is_causal=False, return_weights=False)`` with batch-first
+    ``(B, L, features)`` or unbatched ``(L, features)`` inputs; ``key``
+    defaults to ``query`` and ``value`` to ``key`` (self-attention).  Masks
+    use fastattn's polarity: boolean True = may attend, ``key_mask`` True =
+    real token (see ``docs/coming_from_pytorch.md``).
+    """
+
+    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True,
+                 num_kv_heads=None, dtype=np.float32, seed=None):
+        E = _check_int(embed_dim, "embed_dim")
+        H = _check_int(num_heads, "num_heads")
+        if E % H:
+            raise ValueError(f"num_heads: expected a divisor of embed_dim={E}, got {H}")
+        Hkv = H if num_kv_heads is None else _check_int(num_kv_heads, "num_kv_heads")
+        if H % Hkv:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={H}, got {Hkv}")
+        if not isinstance(bias, (bool, np.bool_)):
+            raise TypeError(f"bias: expected a bool, got {type(bias).__name__} {bias!r}")
+        self.embed_dim = E
+        self.num_heads = H
+        self.num_kv_heads = Hkv
+        self.kdim = E if kdim is None else _check_int(kdim, "kdim")
+        self.vdim = E if vdim is None else _check_int(vdim, "vdim")
+        self.bias = bool(bias)
+        self.dtype = _check_dtype(dtype)
+        self.head_dim = E // H
+        self.packed = self.kdim == E and self.vdim == E
+        self.params = self._init_params(np.random.default_rng(seed))
+
+    # ------------------------------------------------------------ parameters
+    def param_shapes(self) -> dict:
+        """``{name: shape}`` of every parameter, in state-dict order."""
+        E, kvE = self.embed_dim, self.num_kv_heads * self.head_dim
+        shapes = {}
+        if self.packed:
+            shapes["in_proj_weight"] = (E + 2 * kvE, E)
+        else:
+            shapes["q_proj_weight"] = (E, E)
+            shapes["k_proj_weight"] = (kvE, self.kdim)
+            shapes["v_proj_weight"] = (kvE, self.vdim)
+        if self.bias:
+            shapes["in_proj_bias"] = (E + 2 * kvE,)
+        shapes["out_proj.weight"] = (E, E)
+        if self.bias:
+            shapes["out_proj.bias"] = (E,)
+        return shapes
+
+    def _init_params(self, rng):
+        def xavier(shape):
+            bound = math.sqrt(6.0 / (shape[0] + shape[1]))
+            return rng.uniform(-bound, bound, shape).astype(self.dtype)
+
+        params = {}
+        for name, shape in self.param_shapes().items():
+            if name.endswith("bias"):
+                params[name] = np.zeros(shape, self.dtype)
+            elif name == "out_proj.weight":
+                bound = 1.0 / math.sqrt(shape[1])
+                params[name] = rng.uniform(-bound, bound, shape).astype(self.dtype)
+            else:
+                params[name] = xavier(shape)
+        return params
+
+    def state_dict(self) -> dict:
+        """``{name: array}``: copies of the parameters (PyTorch's names)."""
+        return {name: a.copy() for name, a in self.params.items()}
+
+    def load_state_dict(self, state_dict, *, prefix=""):
+        """Load parameters from a mapping of names to arrays (or torch tensors).
+
+        The names (after ``prefix``) and shapes must be exactly this layer's
+        (:meth:`param_shapes`); values are copied and cast to the layer's
+        dtype.  Returns ``self``.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        shapes = self.param_shapes()
+        keys = [k[len(prefix):] for k in state_dict if isinstance(k, str) and k.startswith(prefix)]
+        missing = [n for n in shapes if n not in keys]
+        unexpected = sorted(set(keys) - set(shapes))
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(prefix + n for n in missing)}")
+            if unexpected:
+                parts.append(f"unexpected {', '.join(prefix + n for n in unexpected)}")
+            raise ValueError(
+                f"state_dict: expected the keys {', '.join(prefix + n for n in shapes)}; "
+                + "; ".join(parts)
+            )
+        new = {}
+        for name, shape in shapes.items():
+            a = _to_numpy(state_dict[prefix + name], f"state_dict[{prefix + name!r}]")
+            if a.shape != shape:
+                raise ValueError(f"state_dict[{prefix + name!r}]: expected shape {shape}, got {a.shape}")
+            new[name] = np.array(a, dtype=self.dtype, order="C", copy=True)
+        self.params = new
+        return self
+
+    # ---------------------------------------------------------------- config
+    def get_config(self) -> dict:
+        """The constructor arguments (JSON-serialisable) that rebuild this layer's shape."""
+        return {
+            "embed_dim": self.embed_dim,
+            "num_heads": self.num_heads,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "bias": self.bias,
+            "num_kv_heads": self.num_kv_heads,
+            "dtype": self.dtype.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, *, seed=None):
+        """A new layer (freshly initialised) from :meth:`get_config`'s dict."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config: expected a mapping, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"config: unknown keys {unknown}; expected some of {list(_CONFIG_KEYS)}")
+        for req in ("embed_dim", "num_heads"):
+            if req not in config:
+                raise ValueError(f"config: missing required key {req!r}")
+        kwargs = dict(config)
+        return cls(kwargs.pop("embed_dim"), kwargs.pop("num_heads"), seed=seed, **kwargs)
+
+    def __repr__(self):
+        extra = "" if self.packed else f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.num_kv_heads != self.num_heads:
+            extra += f", num_kv_heads={self.num_kv_heads}"
+        return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+                f"{extra}, bias={self.bias}, dtype={self.dtype.name})")
+
+    # --------------------------------------------------------------- forward
+    def _weights(self):
+        p = self.params
+        kw = {"w_out": p["out_proj.weight"], "b_out": p.get("out_proj.bias")}
+        b = p.get("in_proj_bias")
+        if self.packed:
+            kw.update(w_qkv=p["in_proj_weight"], b_qkv=b)
+        else:
+            E, kvE = self.embed_dim, self.num_kv_heads * self.head_dim
+            kw.update(w_query=p["q_proj_weight"], w_key=p["k_proj_weight"],
+                      w_value=p["v_proj_weight"])
+            if b is not None:
+                kw.update(b_query=b[:E], b_key=b[E:E + kvE], b_value=b[E + kvE:])
+        return kw
+
+    def __call__(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
+                 is_causal=False, return_weights=False, average_weights=True, n_threads=None):
+        """Attend from ``query`` to ``key``/``value``; see :func:`fastattn.multi_head_attention`.
+
+        Returns ``(B, Lq, E)`` (unbatched ``(Lq, E)``), or ``(output, weights)``
+        with weights averaged over heads ``(B, Lq, Lk)`` or, with
+        ``average_weights=False``, per head ``(B, H, Lq, Lk)``.
+        """
+        if key is None:
+            key = query
+        if value is None:
+            value = key
+        return functional.multi_head_attention(
+            query, key, value, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
+            return_weights=return_weights, average_weights=average_weights,
+            n_threads=n_threads, **self._weights())
+
+    # --------------------------------------------------------------- loaders
+    @classmethod
+    def from_torch(cls, module_or_state_dict, *, num_heads=None, prefix="", dtype=None):
+        """A layer with the weights of a ``torch.nn.MultiheadAttention``.
+
+        Given the module, its sizes are read from it (torch is imported only
+        in that case); given its ``state_dict()`` (tensors or arrays, under
+        ``prefix``), pass ``num_heads`` -- a state dict does not record it.
+        Both torch layouts load: packed ``in_proj_weight`` and the separate
+        ``q/k/v_proj_weight`` used when ``kdim``/``vdim`` differ from
+        ``embed_dim``; ``bias=False`` too.  ``add_bias_kv`` and
+        ``add_zero_attn`` are not supported.  The layer is always batch-first:
+        for a module built with ``batch_first=False`` pass ``(B, L, E)``
+        inputs (``x.transpose(1, 0, 2)``).  ``dtype`` defaults to the weights'
+        (float32 unless they are float64).
+        """
+        if isinstance(module_or_state_dict, Mapping):
+            if num_heads is None:
+                raise TypeError(
+                    "num_heads: a state dict does not record the number of heads; pass "
+                    "from_torch(state_dict, num_heads=...) or the module itself"
+                )
+            sd = module_or_state_dict
+        else:
+            import torch  # only when given a module
+
+            m = module_or_state_dict
+            if not isinstance(m, torch.nn.MultiheadAttention):
+                raise TypeError(
+                    "module_or_state_dict: expected a torch.nn.MultiheadAttention or its "
+                    f"state_dict(), got {type(m).__name__}"
+                )
+            if m.bias_k is not None or m.bias_v is not None:
+                raise ValueError("module_or_state_dict: add_bias_kv=True is not supported")
+            if m.add_zero_attn:
+                raise ValueError("module_or_state_dict: add_zero_attn=True is not supported")
+            if num_heads is not None and num_heads != m.num_heads:
+                raise ValueError(f"num_heads: the module has {m.num_heads} heads, got num_heads={num_heads}")
+            num_heads = m.num_heads
+            sd = m.state_dict()
+            prefix = ""
+        H = _check_int(num_heads, "num_heads")
+        names = [k[len(prefix):] for k in sd if isinstance(k, str) and k.startswith(prefix)]
+        for bad in ("bias_k", "bias_v"):
+            if bad in names:
+                raise ValueError(f"state_dict: {prefix + bad} (add_bias_kv=True) is not supported")
+        key_w = prefix + "out_proj.weight"
+        if key_w not in sd:
+            raise ValueError(f"state_dict: expected a torch.nn.MultiheadAttention state dict with "
+                             f"{key_w!r}; got keys {sorted(sd)[:8]}")
+        w_out = _to_numpy(sd[key_w], f"state_dict[{key_w!r}]")
+        if w_out.ndim != 2:
+            raise ValueError(f"state_dict[{key_w!r}]: expected a 2-D (E, E) weight, got shape {w_out.shape}")
+        E = w_out.shape[1]
+        if E % H:
+            raise ValueError(f"num_heads: expected a divisor of embed_dim={E}, got {H}")
+        dh = E // H
+        if prefix + "in_proj_weight" in sd:
+            rows = _to_numpy(sd[prefix + "in_proj_weight"], "in_proj_weight").shape[0]
+            kdim = vdim = E
+        elif prefix + "k_proj_weight" in sd and prefix + "v_proj_weight" in sd:
+            kw = _to_numpy(sd[prefix + "k_proj_weight"], "k_proj_weight")
+            vw = _to_numpy(sd[prefix + "v_proj_weight"], "v_proj_weight")
+            if kw.ndim != 2 or vw.ndim != 2:
+                raise ValueError(f"state_dict: k/v_proj_weight must be 2-D, got {kw.shape}, {vw.shape}")
+            rows, kdim, vdim = E + 2 * kw.shape[0], kw.shape[1], vw.shape[1]
+        else:
+            raise ValueError(
+                f"state_dict: expected {prefix}in_proj_weight (packed) or {prefix}q_proj_weight, "
+                f"{prefix}k_proj_weight, {prefix}v_proj_weight (separate)"
+            )
+        kv_rows = (rows - E) // 2
+        if kv_rows < dh or kv_rows % dh or rows != E + 2 * kv_rows:
+            raise ValueError(
+                f"state_dict: projection rows {rows} do not fit embed_dim={E} with {H} heads "
+                f"(expected E + 2 * num_kv_heads * {dh})"
+            )
+        bias = prefix + "in_proj_bias" in sd
+        if dtype is None:
+            dtype = np.float64 if w_out.dtype == np.float64 else np.float32
+        layer = cls(E, H, kdim=kdim, vdim=vdim, bias=bias, num_kv_heads=kv_rows // dh, dtype=dtype)
+        subset = {k: sd[k] for k in sd if isinstance(k, str) and k.startswith(prefix)}
+        return layer.load_state_dict(subset, prefix=prefix)
+
+    @classmethod
+    def from_bert(cls, state_dict, *, num_heads, prefix="", dtype=None):
+        """A layer with the weights of a Hugging Face BERT-style attention block.
+
+        Reads ``{prefix}attention.self.{query,key,value}.{weight,bias}`` and
+        ``{prefix}attention.output.dense.{weight,bias}`` (as in a ``BertLayer``;
+        a ``BertAttention``'s own ``self.query.weight`` ... names work too).
+        For layer ``i`` of a full model use ``prefix=f"bert.encoder.layer.{i}."``.
+        ``num_heads`` is ``config.num_attention_heads``.  The block's
+        ``output.LayerNorm`` and residual are not part of this layer: apply
+        them to its output.  Values may be tensors or arrays.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        H = _check_int(num_heads, "num_heads")
+        base = None
+        for cand in (prefix + "attention.", prefix):
+            if cand + "self.query.weight" in state_dict:
+                base = cand
+                break
+        if base is None:
+            want = prefix + "attention.self.query.weight"
+            hits = sorted(k for k in state_dict if isinstance(k, str) and k.endswith("attention.self.query.weight"))
+            hint = ""
+            if hits:
+                hint = (f"; the mapping has {hits[0]!r}"
+                        + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
+                        + f": pass prefix={hits[0][:-len('attention.self.query.weight')]!r}")
+            raise ValueError(f"state_dict: no key {want!r}{hint}")
+
+        def get(name, required=True):
+            k = base + name
+            if k not in state_dict:
+                if required:
+                    raise ValueError(f"state_dict: missing {k!r}")
+                return None
+            return _to_numpy(state_dict[k], f"state_dict[{k!r}]")
+
+        wq, wk, wv = get("self.query.weight"), get("self.key.weight"), get("self.value.weight")
+        wo = get("output.dense.weight")
+        biases = [get(n, False) for n in ("self.query.bias", "self.key.bias", "self.value.bias",
+                                          "output.dense.bias")]
+        present = [b is not None for b in biases]
+        if any(present) and not all(present):
+            raise ValueError(
+                "state_dict: either all of self.query/key/value.bias and output.dense.bias or none "
+                f"(under {base!r}); found {sum(present)} of 4"
+            )
+        for name, w in (("self.query.weight", wq), ("self.key.weight", wk),
+                        ("self.value.weight", wv), ("output.dense.weight", wo)):
+            if w.ndim != 2:
+                raise ValueError(f"state_dict[{base + name!r}]: expected a 2-D weight, got shape {w.shape}")
+        E = wq.shape[0]
+        if wq.shape != (E, E) or wo.shape != (E, E):
+            raise ValueError(
+                f"state_dict: expected square query and output.dense weights (E, E), got "
+                f"{wq.shape} and {wo.shape}"
+            )
+        if E % H:
+            raise ValueError(f"num_heads: expected a divisor of the hidden size {E}, got {H}")
+        dh = E // H
+        if wk.shape[0] != wv.shape[0] or wk.shape[0] % dh or wk.shape[0] == 0:
+            raise ValueError(
+                f"state_dict: key/value weights {wk.shape}, {wv.shape} do not fit {H} heads of {dh}"
+            )
+        kdim, vdim = wk.shape[1], wv.shape[1]
+        if dtype is None:
+            dtype = np.float64 if wq.dtype == np.float64 else np.float32
+        layer = cls(E, H, kdim=kdim, vdim=vdim, bias=all(present),
+                    num_kv_heads=wk.shape[0] // dh, dtype=dtype)
+        sd = {"out_proj.weight": wo}
+        if layer.packed:
+            sd["in_proj_weight"] = np.concatenate([wq, wk, wv], axis=0)
+        else:
+            sd.update(q_proj_weight=wq, k_proj_weight=wk, v_proj_weight=wv)
+        if layer.bias:
+            sd["in_proj_bias"] = np.concatenate(biases[:3])
+            sd["out_proj.bias"] = biases[3]
+        return layer.load_state_dict(sd)

@@ -1,0 +1,146 @@
+"""The projection kernel (fastattn._proj.linear): blocks, strides, threads, BLAS setting."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _bench, _multihead, _proj, _threads
+from conftest import assert_close, randn
+
+
+def _linear(x, w, b, n_threads, y=None):
+    if y is None:
+        y = np.full(x.shape[:2] + (w.shape[0],), np.nan, x.dtype)
+    blocks = _proj.linear(x, w, b, y, n_threads)
+    return y, blocks
+
+
+def test_runtime_is_installed():
+    """_proj runs on _kernels' pool and BLAS hold (their addresses were handed over)."""
+    assert _proj.runtime_installed()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize(("nb", "M", "N", "K"), [
+    (1, 1, 1, 1), (1, 7, 5, 3), (3, 1, 300, 64), (1, 16, 1536, 64), (2, 130, 129, 17),
+    (1, 300, 700, 33), (4, 64, 384, 8),
+])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_linear_matches_numpy(simd_mode, dtype, nb, M, N, K, bias, n_threads, rng):
+    """Both the few-row AVX2 kernel (float32, <= 32 rows a block) and the sgemm/dgemm blocks."""
+    _threads.ensure_blas_hook()
+    assert _proj.small_kernel_active() == (simd_mode == "simd")
+    x = randn(rng, (nb, M, K), dtype)
+    w = randn(rng, (N, K), dtype)
+    b = randn(rng, (N,), dtype) if bias else None
+    y, blocks = _linear(x, w, b, n_threads)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    if bias:
+        ref = ref + b
+    assert blocks >= 1
+    assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_linear_strided_batches_and_output(dtype, rng):
+    """Batch items that are not one run of rows, padded rows, and an output with a row stride."""
+    _threads.ensure_blas_hook()
+    big = randn(rng, (3, 2 * 200 + 1, 40), dtype)
+    x = big[:, :-1:2, 3:35]                     # (3, 200, 32): rows 80 apart, items 16040 apart
+    w = randn(rng, (600, 40), dtype)[:, 4:36]   # (600, 32), row stride 40
+    b = randn(rng, (600,), dtype)
+    out_buf = np.full((3, 200, 650), np.nan, dtype)
+    y = out_buf[:, :, 20:620]
+    _, blocks = _linear(x, w, b, 2, y)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + b
+    assert_close(y, ref, dtype)
+    assert np.isnan(out_buf[:, :, :20]).all() and np.isnan(out_buf[:, :, 620:]).all()
+    assert blocks == 3 * 2  # two row blocks per batch item on two threads
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 31, 32, 33])
+@pytest.mark.parametrize("K", [1, 7, 8, 9, 64, 513])
+def test_small_kernel_edges(simd_mode, M, K, rng):
+    """Row, column and depth remainders of the 3 x 4 register blocks; strided rows."""
+    _threads.ensure_blas_hook()
+    N = 11
+    x = randn(rng, (1, M, K + 5), np.float32)[:, :, 2:K + 2]
+    w = randn(rng, (N, K + 3), np.float32)[:, 1:K + 1]
+    b = randn(rng, (N,), np.float32)
+    y, _ = _linear(x, w, b, 1)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + b
+    rtol, atol = 2e-5 * max(1, np.sqrt(K) / 8), 2e-5 * max(1, np.sqrt(K) / 8)
+    np.testing.assert_allclose(y, ref, rtol=rtol, atol=atol * max(1.0, np.abs(ref).max()))
+
+
+def test_block_split():
+    """Few rows: columns are split; many rows: rows are; tiny: one block."""
+    _threads.ensure_blas_hook()
+    z = np.zeros
+    w = z((1536, 512), np.float32)
+    assert _linear(z((1, 16, 512), np.float32), w, None, 2)[1] == 4      # 4 column blocks of 384
+    assert _linear(z((1, 1024, 512), np.float32), w, None, 2)[1] == 4    # 4 row blocks of 256
+    assert _linear(z((1, 1024, 512), np.float32), w, None, 1)[1] == 1
+    assert _linear(z((1, 4, 8), np.float32), z((8, 8), np.float32), None, 2)[1] == 1
+
+
+def test_blas_setting_restored_and_threads_honoured(rng):
+    """Projections hold BLAS at one thread while they run and give the setting back."""
+    libs = _bench.openblas_libraries()
+    lib = next((lib for tag, lib in libs.items() if tag == "scipy"), None)
+    if lib is None or _threads.blas_hook_library() is None:
+        pytest.skip("SciPy's OpenBLAS thread control is not reachable here")
+    before = lib.get_threads()
+    try:
+        lib.set_threads(2)
+        m = fastattn.layers.MultiHeadAttention(64, 4, seed=0)
+        x = randn(rng, (2, 40, 64), np.float32)
+        a = m(x, n_threads=1)
+        b = m(x, n_threads=2)
+        assert lib.get_threads() == 2
+        assert_close(a, b.astype(np.float64), np.float32)
+    finally:
+        lib.set_threads(before)
+
+
+def test_concurrent_calls_share_one_blas_counter(rng):
+    """MHA and SDPA from several threads at once: right results, BLAS setting restored."""
+    libs = _bench.openblas_libraries()
+    lib = libs.get("scipy")
+    if lib is None or _threads.blas_hook_library() is None:
+        pytest.skip("SciPy's OpenBLAS thread control is not reachable here")
+    m = fastattn.layers.MultiHeadAttention(64, 4, seed=0)
+    x = randn(rng, (2, 64, 64), np.float32)
+    q = randn(rng, (2, 4, 64, 16), np.float32)
+    want_m = m(x)
+    want_s = fastattn.scaled_dot_product_attention(q, q, q)
+    before = lib.get_threads()
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(15):
+                if i % 2:
+                    assert_close(m(x, n_threads=2), want_m.astype(np.float64), np.float32)
+                else:
+                    assert_close(fastattn.scaled_dot_product_attention(q, q, q, n_threads=2),
+                                 want_s.astype(np.float64), np.float32)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert lib.get_threads() == before
+
+
+def test_install_runtime_is_idempotent():
+    assert _multihead._install_runtime() is True
+    assert _proj.runtime_installed()
