@@ -399,6 +399,16 @@ def _project(x, w, b, cdt, n_threads, pad=True):
     return buf
 
 
+def _pad_columns(x, dp, cdt):
+    """Keys that are already projected (``PrecomputedAdditiveSimilarity``) in the
+    kernel's zero-padded layout; no copy when the width is already a multiple of 8."""
+    if x.shape[-1] == dp and x.dtype == cdt and x.flags.c_contiguous:
+        return x
+    buf = np.zeros(x.shape[:-1] + (dp,), dtype=cdt)
+    buf[..., :x.shape[-1]] = x
+    return buf
+
+
 def _plugin_functions(sim):
     cap = sim.capsule
     info = _scores.capsule_info(cap, PLUGIN_CAPSULE_NAME.encode())
@@ -436,7 +446,7 @@ def _run_fused(c, res, weights):
         _, wq, wk, b, vvec = c.lowered
         _ensure_blas_hook()
         qx = _project(c.q, wq, b, cdt, nt)
-        kx = _project(c.k, wk, None, cdt, nt)
+        kx = _project(c.k, wk, None, cdt, nt) if wk is not None else _pad_columns(c.k, qx.shape[-1], cdt)
         packed = np.zeros(qx.shape[-1], dtype=cdt)
         packed[:vvec.shape[0]] = vvec
         fn, kind = 0, _scores.SCORE_ADDITIVE
