@@ -480,3 +480,4 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         p.copies, why,
     )
 from ._attention import attention  # noqa: E402,F401  (similarity registry, issue 5)
+from ._linear import linear  # noqa: E402,F401  (layers, issue 6)

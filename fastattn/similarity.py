@@ -356,9 +356,10 @@ class GeneralSimilarity(Similarity):
         return np.matmul(qw, np.swapaxes(key, -1, -2)) * params["scale"]
 
     def precompute_keys(self, key, params):
+        from ._linear import linear
         from .registry import get_similarity
 
-        kp = np.matmul(np.asarray(key), np.asarray(params["W"]).T)
+        kp = linear(key, params["W"])
         return get_similarity("scaled_dot"), {"scale": params.get("scale", np.asarray(1.0))}, kp
 
     def _lower(self, query, key, params):
@@ -510,7 +511,9 @@ def _precomputed_additive(sim, params, key, wk):
         params = {"W_q": wq, "v": v}
         if b is not None:
             params["b"] = b
-    kp = np.matmul(np.asarray(key), np.asarray(wk).T)
+    from ._linear import linear
+
+    kp = linear(key, wk)
     return PrecomputedAdditiveSimilarity(), dict(params), kp
 
 

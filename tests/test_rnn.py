@@ -255,3 +255,23 @@ def test_torch_embedding_linear(rng):
     with torch.no_grad():
         want = tl(te(torch.tensor(ids))).numpy()
     assert_close(lin(e(ids)), want)
+
+
+def test_functional_linear(rng):
+    from fastattn.functional import linear
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    w = rng.standard_normal((5, 4)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    y = linear(x, w, b)
+    assert y.dtype == np.float32 and y.shape == (2, 3, 5)
+    assert_close(y, x.astype(np.float64) @ w.T.astype(np.float64) + b)
+    assert linear(x, w.astype(np.float64)).dtype == np.float64
+    xb = x.copy()
+    linear(x, w, b)
+    np.testing.assert_array_equal(x, xb)
+    with pytest.raises(ValueError, match=r"x: expected last dim 4 \(weight's in_features\), got shape \(2, 3\)"):
+        linear(x[..., 0], w)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(5,\), got \(4,\)"):
+        linear(x, w, b[:4])
+    with pytest.raises(TypeError, match="x: complex dtypes are not supported"):
+        linear(x.astype(complex), w)

@@ -132,10 +132,7 @@ class Attention(Layer):
         return {k[4:]: v for k, v in self._params.items() if k.startswith("sim.")} or None
 
     def _proj(self, x, name):
-        y = np.matmul(x, self._params[f"W_{name}"].T)
-        if f"b_{name}" in self._params:
-            y += self._params[f"b_{name}"]
-        return y
+        return F.linear(x, self._params[f"W_{name}"], self._params.get(f"b_{name}"))
 
     def __call__(self, query, key=None, value=None, **kwargs):
         return self.forward(query, key, value, **kwargs)

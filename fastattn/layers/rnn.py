@@ -29,6 +29,7 @@ import math
 import numpy as np
 from scipy.special import expit
 
+from .. import functional as F
 from ._base import Layer, as_float_input, check_bool, check_dtype, check_int
 
 __all__ = ["Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "lengths_from_mask"]
@@ -149,10 +150,7 @@ class Linear(Layer):
     def forward(self, x):
         """``x (..., in)`` → ``(..., out)``."""
         x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
-        y = np.matmul(x, self._params["weight"].T)
-        if "bias" in self._params:
-            y += self._params["bias"]
-        return y
+        return F.linear(x, self._params["weight"], self._params.get("bias"))
 
     @classmethod
     def from_torch(cls, module_or_state_dict, *, dtype=None):
@@ -251,14 +249,14 @@ class _RNNBase(Layer):
         return np.dtype(self._config["dtype"])
 
     def _weights(self, k, sfx, ct):
-        """(W_ihᵀ, W_hhᵀ, b_ih, b_hh) in dtype ct (cached; C-contiguous transposes)."""
+        """(W_ih, W_hh, b_ih, b_hh) in dtype ct (cached)."""
         key = (k, sfx, ct.str)
         w = self._cache.get(key)
         if w is None:
             p = self._params
             G = _GATES[self._mode] * self.hidden_size
-            w = (np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"].T, dtype=ct),
-                 np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"].T, dtype=ct),
+            w = (np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"], dtype=ct),
+                 np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"], dtype=ct),
                  p[f"bias_ih_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct),
                  p[f"bias_hh_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct))
             self._cache[key] = w
@@ -334,15 +332,12 @@ class _RNNBase(Layer):
             for d, sfx in enumerate(("", "_reverse")[:self.num_directions]):
                 wih, whh, bih, bhh = self._weights(k, sfx, ct)
                 idx = k * self.num_directions + d
-                xw = np.matmul(inp.reshape(B * T, -1), wih).reshape(B, T, -1)
-                xw += bih
+                xw = F.linear(inp.reshape(B * T, -1), wih, bih).reshape(B, T, -1)
                 h = h0[idx].copy()
                 c = None if c0 is None else c0[idx].copy()
-                gh = np.empty((B, whh.shape[1]), ct)
                 o = outs[:, :, d * H:(d + 1) * H]
                 for t in (range(T - 1, -1, -1) if d else range(T)):
-                    np.matmul(h, whh, out=gh)
-                    gh += bhh
+                    gh = F.linear(h, whh, bhh)
                     hn, cn = _cell(self._mode, xw[:, t], gh, h, c, relu)
                     if mask is not None:
                         m = mask[:, t, None]
@@ -372,10 +367,8 @@ class _RNNBase(Layer):
         inp = x
         for k in range(self.num_layers):
             wih, whh, bih, bhh = self._weights(k, "", ct)
-            gi = np.matmul(inp, wih)
-            gi += bih
-            gh = np.matmul(st[0][k], whh)
-            gh += bhh
+            gi = F.linear(inp, wih, bih)
+            gh = F.linear(st[0][k], whh, bhh)
             h, c = _cell(self._mode, gi, gh, st[0][k], st[1][k] if self._mode == "LSTM" else None, relu)
             hs.append(h)
             cs.append(c)
