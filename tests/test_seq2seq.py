@@ -290,3 +290,40 @@ def test_bahdanau_against_torch_tutorial_model(rng):
     logits, al = m(src, tgt, mask, return_alignments=True)
     assert_close(logits, t_logits.numpy())
     assert_close(al, t_al.numpy())
+
+
+def test_luong_general_against_torch(rng):
+    """Luong (general score, combine tanh(W_c [c; s])) written in torch, bidirectional
+    packed encoder, padded sources."""
+    torch.manual_seed(1)
+    E, H = 5, 3
+    enc_emb, enc_rnn = nn.Embedding(V, E).double(), nn.GRU(E, H, batch_first=True, bidirectional=True).double()
+    emb, rnn = nn.Embedding(V, E).double(), nn.GRU(E, 2 * H, batch_first=True).double()
+    Wg = torch.randn(2 * H, 2 * H, dtype=torch.float64)
+    Wc, out = nn.Linear(4 * H, 2 * H, bias=False).double(), nn.Linear(2 * H, V).double()
+    src, mask, tgt = batch(rng)
+    lengths = torch.tensor(mask.sum(1))
+    with torch.no_grad():
+        packed = nn.utils.rnn.pack_padded_sequence(enc_emb(torch.tensor(src)), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        keys, h_n = enc_rnn(packed)
+        keys, _ = nn.utils.rnn.pad_packed_sequence(keys, batch_first=True, total_length=src.shape[1])
+        h0 = torch.cat([h_n[0::2], h_n[1::2]], dim=-1)
+        s, _ = rnn(emb(torch.tensor(tgt)), h0)
+        scores = (s @ Wg) @ keys.transpose(1, 2)
+        scores = scores.masked_fill(~torch.tensor(mask)[:, None, :], float("-inf"))
+        a = torch.softmax(scores, -1)
+        ctx = a @ keys
+        want = out(torch.tanh(Wc(torch.cat([ctx, s], -1))))
+    enc = RNNEncoder(V, E, H, bidirectional=True, dtype=np.float64)
+    dec = AttentionDecoder(V, E, 2 * H, 2 * H, style="luong", similarity="general", dtype=np.float64)
+    m = Seq2Seq(enc, dec, bos_id=BOS, eos_id=EOS)
+    sd = {"encoder.embedding.weight": enc_emb.weight, "decoder.embedding.weight": emb.weight,
+          "decoder.attn.W": Wg, "decoder.attn.scale": np.array(1.0), "decoder.combine.weight": Wc.weight, "decoder.out.weight": out.weight,
+          "decoder.out.bias": out.bias}
+    sd.update({"encoder.rnn." + k: v for k, v in enc_rnn.state_dict().items()})
+    sd.update({"decoder.rnn." + k: v for k, v in rnn.state_dict().items()})
+    m.load_state_dict(sd)
+    logits, al = m(src, tgt, mask, return_alignments=True)
+    assert_close(logits, want.numpy())
+    assert_close(al, a.numpy())

@@ -67,7 +67,8 @@ class Layer:
 
     # ---------------------------------------------------------------- params
     def parameters(self):
-        """The live ``{name: ndarray}`` dict (read-only view of the mapping)."""
+        """A new ``{name: ndarray}`` dict of this layer's own parameters (the live
+        arrays, not copies; children's are in :meth:`state_dict`)."""
         return dict(self._params)
 
     def state_dict(self) -> dict:
