@@ -176,6 +176,12 @@ def test_precompute_keys_is_exact(sim, rng):
         # the fused kernel runs it, and its NumPy score agrees
         assert fastattn._attention.attention_path(q, k2, v, s2, params=p2) == "fused"
         np.testing.assert_allclose(s2.score(q, k2, p2), ref_score(sim, params, 5)(q, k), rtol=1e-13)
+        # the cached parameters skip re-checking only while they are the very arrays made here
+        bad = dict(p2, W_q=np.full(p2["W_q"].shape, np.nan))
+        with pytest.raises(ValueError, match=r"params\['W_q'\]: contains NaN"):
+            fastattn.attention(q, k2, v, s2, params=bad)
+        with pytest.raises(ValueError, match=r"params\['W_q'\]: expected shape"):
+            fastattn.attention(q[..., :4], k2, v, s2, params=p2)
 
 
 torch = pytest.importorskip("torch")

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from scipy.special import log_softmax
 
 from .. import functional as F
 from ._base import Layer, as_float_input, check_dtype, check_int
@@ -34,6 +33,14 @@ from .attention import _similarity_config, init_similarity_params, resolve_simil
 from .rnn import Embedding, Linear, RNNEncoder, _config_seed, _rng, rnn_class
 
 __all__ = ["AttentionDecoder", "Seq2Seq", "Memory", "DecodeResult"]
+
+
+def log_softmax(x, axis=-1):
+    """``x - logsumexp(x)`` along ``axis`` (plain NumPy; scipy's version costs
+    ~100 us of dispatch per call, a fifth of a decoder step at B=1)."""
+    m = np.max(x, axis=axis, keepdims=True)
+    z = x - m
+    return z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
 
 
 class Memory(NamedTuple):
