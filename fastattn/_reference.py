@@ -244,3 +244,117 @@ def multi_head_attention(
     if return_weights:
         return out, w
     return out
+
+
+# --------------------------------------------------------------------------
+# Recurrent layers and the seq2seq decoder (issue 6): one sequence at a time,
+# one time step at a time, gate by gate, in float64.
+
+def _sig(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def rnn_cell(mode, x, h, c, W_ih, W_hh, b_ih, b_hh, nonlinearity="tanh"):
+    """One step of torch's RNN / GRU / LSTM for one vector x (in,), h (H,)."""
+    x, h, W_ih, W_hh, b_ih, b_hh = _f64(x, h, W_ih, W_hh, b_ih, b_hh)
+    H = h.shape[0]
+    gi = W_ih @ x + (0 if b_ih is None else b_ih)
+    gh = W_hh @ h + (0 if b_hh is None else b_hh)
+    if mode == "RNN":
+        s = gi + gh
+        return (np.maximum(s, 0) if nonlinearity == "relu" else np.tanh(s)), None
+    if mode == "GRU":
+        r = _sig(gi[:H] + gh[:H])
+        z = _sig(gi[H:2 * H] + gh[H:2 * H])
+        n = np.tanh(gi[2 * H:] + r * gh[2 * H:])
+        return (1 - z) * n + z * h, None
+    i = _sig(gi[:H] + gh[:H])
+    f = _sig(gi[H:2 * H] + gh[H:2 * H])
+    g = np.tanh(gi[2 * H:3 * H] + gh[2 * H:3 * H])
+    o = _sig(gi[3 * H:] + gh[3 * H:])
+    c = f * np.asarray(c, np.float64) + i * g
+    return o * np.tanh(c), c
+
+
+def rnn(mode, params, x, num_layers, bidirectional, h0=None, c0=None, lengths=None,
+        nonlinearity="tanh"):
+    """Stacked / bidirectional RNN over x (B, T, E) with torch's parameter names;
+    each sequence runs over its first lengths[b] steps only.  Returns
+    (outputs (B, T, D*H) with zeros at padded steps, h_n (L*D, B, H), c_n or None)."""
+    x = np.asarray(x, np.float64)
+    B, T, _ = x.shape
+    D = 2 if bidirectional else 1
+    H = np.asarray(params["weight_hh_l0"]).shape[1]
+    lengths = [T] * B if lengths is None else list(lengths)
+    h_n = np.zeros((num_layers * D, B, H))
+    c_n = np.zeros((num_layers * D, B, H))
+    out = np.zeros((B, T, D * H))
+    for b in range(B):
+        n = lengths[b]
+        inp = x[b, :n]
+        for k in range(num_layers):
+            layer_out = np.zeros((n, D * H))
+            for d in range(D):
+                sfx = "_reverse" if d else ""
+                idx = k * D + d
+                h = np.zeros(H) if h0 is None else np.asarray(h0, np.float64)[idx, b]
+                c = np.zeros(H) if c0 is None else np.asarray(c0, np.float64)[idx, b]
+                order = range(n - 1, -1, -1) if d else range(n)
+                for t in order:
+                    h, c = rnn_cell(mode, inp[t], h, c, params[f"weight_ih_l{k}{sfx}"],
+                                    params[f"weight_hh_l{k}{sfx}"], params.get(f"bias_ih_l{k}{sfx}"),
+                                    params.get(f"bias_hh_l{k}{sfx}"), nonlinearity)
+                    layer_out[t, d * H:(d + 1) * H] = h
+                h_n[idx, b] = h
+                if c is not None:
+                    c_n[idx, b] = c
+            inp = layer_out
+        out[b, :n] = inp
+    return out, h_n, (c_n if mode == "LSTM" else None)
+
+
+def attention_decoder(style, score_fn, emb, cell_mode, cell_params, out_W, out_b, memory,
+                      memory_mask, tgt_in, h0, combine_W=None):
+    """Teacher-forced attention decoder (one sequence, one step, one layer at a
+    time).  score_fn(s (H,), memory (S, D)) -> (S,) scores.  Returns logits
+    (B, T, V) and alignments (B, T, S)."""
+    memory = np.asarray(memory, np.float64)
+    B, S, _ = memory.shape
+    T = np.asarray(tgt_in).shape[1]
+    L = len([k for k in cell_params if k.startswith("weight_ih_l")])
+    V = np.asarray(out_W).shape[0]
+    logits = np.zeros((B, T, V))
+    aligns = np.zeros((B, T, S))
+    for b in range(B):
+        real = np.ones(S, bool) if memory_mask is None else np.asarray(memory_mask)[b]
+        hs = [np.asarray(h0[0] if cell_mode == "LSTM" else h0, np.float64)[k, b] for k in range(L)]
+        cs = [np.asarray(h0[1], np.float64)[k, b] if cell_mode == "LSTM" else None for k in range(L)]
+
+        def attend(s):
+            sc = np.where(real, score_fn(s, memory[b]), -np.inf)
+            if not real.any():
+                return np.zeros(memory.shape[2]), np.zeros(S)
+            a = np.exp(sc - sc.max())
+            a = a / a.sum()
+            return a @ memory[b], a
+
+        for t in range(T):
+            e = np.asarray(emb, np.float64)[int(tgt_in[b][t])]
+            if style == "bahdanau":
+                ctx, a = attend(hs[-1])
+                inp = np.concatenate([e, ctx])
+            else:
+                inp = e
+            for k in range(L):
+                hs[k], cs[k] = rnn_cell(cell_mode, inp, hs[k], cs[k], cell_params[f"weight_ih_l{k}"],
+                                        cell_params[f"weight_hh_l{k}"], cell_params.get(f"bias_ih_l{k}"),
+                                        cell_params.get(f"bias_hh_l{k}"))
+                inp = hs[k]
+            if style == "bahdanau":
+                top = hs[-1]
+            else:
+                ctx, a = attend(hs[-1])
+                top = np.tanh(np.asarray(combine_W, np.float64) @ np.concatenate([ctx, hs[-1]]))
+            logits[b, t] = np.asarray(out_W, np.float64) @ top + np.asarray(out_b, np.float64)
+            aligns[b, t] = a
+    return logits, aligns

@@ -480,6 +480,7 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         p.copies, why,
     )
 from ._attention import attention  # noqa: E402,F401  (similarity registry, issue 5)
+from ._linear import linear  # noqa: E402,F401  (layers, issue 6)
 
 # Multi-head attention (projections + this module's SDPA) lives in its own module.
 from ._multihead import multi_head_attention  # noqa: E402

@@ -320,6 +320,16 @@ class Similarity:
         args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.config_keys)
         return f"{type(self).__qualname__}({args})"
 
+    # ------------------------------------------------ decoding with a memory
+    def precompute_keys(self, key, params):
+        """``(similarity, params, key')`` with ``attention(q, key', v, similarity,
+        params=params)`` equal to ``attention(q, key, v, self, params=...)``
+        for every query: whatever depends on the keys only (a key projection)
+        is applied once, here, instead of on every call -- what a decoder
+        does once per source sentence.  Default: nothing to precompute.
+        ``params`` must already be checked (``check_params``)."""
+        return self, params, key
+
     # ------------------------------------------- how attention() runs it
     def _lower(self, query, key, params):
         """Optional: a fast path.  Returns ``("sdpa", q2, k2, scale)`` (scores =
@@ -410,6 +420,13 @@ class GeneralSimilarity(Similarity):
         qw = np.matmul(query, params["W"])
         return np.matmul(qw, np.swapaxes(key, -1, -2)) * params["scale"]
 
+    def precompute_keys(self, key, params):
+        from ._linear import linear
+        from .registry import get_similarity
+
+        kp = linear(key, params["W"])
+        return get_similarity("scaled_dot"), {"scale": params.get("scale", np.asarray(1.0))}, kp
+
     def _lower(self, query, key, params):
         # q^T W k = (q W) . k: project the queries once (q W = q (W^T)^T, by
         # fastattn's single-thread-per-task gemm), then the dot kernel
@@ -470,6 +487,10 @@ class AdditiveSimilarity(Similarity):
         kp = _matmul_t(key, wk)
         return np.tanh(qp[..., :, None, :] + kp[..., None, :, :]) @ v
 
+    def precompute_keys(self, key, params):
+        _, wk, _, _ = self._weights(params)
+        return _precomputed_additive(self, params, key, wk)
+
     def _lower(self, query, key, params):
         wq, wk, b, v = self._weights(params)
         return ("additive", wq, wk, b, v)
@@ -502,6 +523,14 @@ class ConcatSimilarity(Similarity):
             qp = qp + params["b"]
         kp = _matmul_t(key, wk)
         return np.tanh(qp[..., :, None, :] + kp[..., None, :, :]) @ params["v"]
+
+    def precompute_keys(self, key, params):
+        d_k = key.shape[-1]
+        wk = params["W"][:, params["W"].shape[1] - d_k:]
+        out = {"W_q": params["W"][:, :params["W"].shape[1] - d_k], "v": params["v"]}
+        if "b" in params:
+            out["b"] = params["b"]
+        return _precomputed_additive(None, out, key, wk)
 
     def _lower(self, query, key, params):
         wq, wk = self._split(query, params)
@@ -537,6 +566,59 @@ class CosineSimilarity(Similarity):
 
     def _lower(self, query, key, params):
         return ("sdpa", self._normalise(query), self._normalise(key), float(params["beta"]))
+
+
+class PrecomputedAdditiveSimilarity(Similarity):
+    """``v . tanh(W_q q + k + b)``: additive attention over keys that are already
+    projected (``k = W_k h``), made by ``AdditiveSimilarity.precompute_keys``
+    / ``ConcatSimilarity.precompute_keys``.  Not registered; runs in the fused
+    additive kernel without projecting the keys again."""
+
+    name = "additive_precomputed"
+    params_spec = {
+        "W_q": ParamSpec(("d_k", "d_q"), doc="query projection (d_k = d_a)"),
+        "v": ParamSpec(("d_k",), doc="output vector"),
+        "b": ParamSpec(("d_k",), required=False, doc="bias inside the tanh (default 0)"),
+    }
+
+    def __init__(self):
+        self._trusted = {}
+
+    def check_params(self, params, d_q, d_k, dtype):
+        # the parameters precompute_keys made (already checked, read-only arrays
+        # of the compute dtype) are not copied and re-checked on every step
+        t = self._trusted
+        if (t and isinstance(params, dict) and len(params) == len(t)
+                and all(params.get(k) is v for k, v in t.items())
+                and all(v.dtype == dtype for v in t.values())
+                and t["W_q"].shape == (d_k, d_q)):
+            return params
+        return super().check_params(params, d_q, d_k, dtype)
+
+    def score(self, query, key, params):
+        qp = _matmul_t(query, params["W_q"])
+        if "b" in params:
+            qp = qp + params["b"]
+        return np.tanh(qp[..., :, None, :] + key[..., None, :, :]) @ params["v"]
+
+    def _lower(self, query, key, params):
+        return ("additive", params["W_q"], None, params.get("b"), params["v"])
+
+
+def _precomputed_additive(sim, params, key, wk):
+    if sim is not None:
+        wq, _, b, v = sim._weights(params)
+        params = {"W_q": wq, "v": v}
+        if b is not None:
+            params["b"] = b
+    from ._linear import linear
+
+    kp = linear(key, wk)
+    sim = PrecomputedAdditiveSimilarity()
+    params = dict(params)
+    if all(isinstance(v, np.ndarray) and not v.flags.writeable for v in params.values()):
+        sim._trusted = dict(params)
+    return sim, params, kp
 
 
 BUILTINS = (DotSimilarity, ScaledDotSimilarity, GeneralSimilarity, AdditiveSimilarity,

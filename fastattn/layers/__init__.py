@@ -1,7 +1,12 @@
-"""Stateful attention layers: parameters as NumPy arrays, seeded init, state dicts, configs.
+"""Stateful layers: parameters as NumPy arrays, seeded init, state dicts, configs.
 
 Pure Python; every computation is a call into :mod:`fastattn.functional`.
 """
+from .attention import Attention, SelfAttention
 from .multi_head import MultiHeadAttention
+from .rnn import GRU, LSTM, Embedding, Linear, RNNEncoder, SimpleRNN
+from .seq2seq import AttentionDecoder, DecodeResult, Memory, Seq2Seq
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "Attention",
+           "SelfAttention", "MultiHeadAttention", "AttentionDecoder", "Seq2Seq", "Memory",
+           "DecodeResult"]

@@ -1,0 +1,507 @@
+"""Embedding, Linear and the recurrent layers ``SimpleRNN``, ``GRU``, ``LSTM``
+(torch's equations and parameter layout), and ``RNNEncoder``.
+
+Shapes are batch-first: inputs ``(B, T, E)`` or unbatched ``(T, E)``; final
+states ``(num_layers * D, B, H)`` (D = 2 when bidirectional), torch's layout
+(index ``layer * D + direction``).  The input projections of all time steps
+are one GEMM per layer and direction (``X W_ihᵀ + b_ih``); the time loop runs
+in Python, each step a GEMM over the whole batch (``h W_hhᵀ``) plus
+elementwise gates -- never a loop over batch items.
+
+Gate equations (torch):
+
+* SimpleRNN: ``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)`` (or relu)
+* GRU (gates r, z, n in that order in the stacked weights):
+  ``r = σ(W_ir x + b_ir + W_hr h + b_hr)``, ``z = σ(W_iz x + b_iz + W_hz h + b_hz)``,
+  ``n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))``, ``h' = (1 − z) ⊙ n + z ⊙ h``
+* LSTM (gates i, f, g, o): ``c' = f ⊙ c + i ⊙ g``, ``h' = o ⊙ tanh(c')``
+
+Variable lengths (``lengths=``) follow ``torch.nn.utils.rnn.pack_padded_sequence``:
+a sequence's state stops changing after its last real token (the reverse
+direction starts at its last real token from the initial state), outputs at
+padded positions are 0 and the final state is taken at each sequence's last
+real token.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.special import expit
+
+from .. import functional as F
+from ._base import Layer, as_float_input, check_bool, check_dtype, check_int
+
+__all__ = ["Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "lengths_from_mask"]
+
+
+def _rng(seed):
+    if isinstance(seed, np.random.Generator):
+        return seed
+    return np.random.default_rng(seed)
+
+
+def _config_seed(seed):
+    if seed is None or isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return None if seed is None else int(seed)
+    if isinstance(seed, np.random.Generator):
+        return None
+    raise TypeError(f"seed: expected None, an int or a np.random.Generator, got {type(seed).__name__}")
+
+
+def _torch_state(obj):
+    """(state dict of numpy arrays, module or None) from a torch module or a mapping."""
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        module, sd = obj, obj.state_dict()
+    elif hasattr(obj, "keys"):
+        module, sd = None, obj
+    else:
+        raise TypeError(f"module_or_state_dict: expected a torch module or a state dict, got {type(obj).__name__}")
+    out = {}
+    for k in sd.keys():
+        v = sd[k]
+        if hasattr(v, "detach"):
+            v = v.detach().cpu().numpy()
+        out[str(k)] = np.asarray(v)
+    return out, module
+
+
+def _dtype_of(sd, dtype):
+    if dtype is not None:
+        return check_dtype(dtype)
+    for a in sd.values():
+        if a.dtype in (np.float32, np.float64):
+            return a.dtype
+    return np.dtype(np.float32)
+
+
+# ============================================================== Embedding
+class Embedding(Layer):
+    """Lookup table ``weight (num_embeddings, embedding_dim)``; ``N(0, 1)`` init
+    (torch's), the ``padding_idx`` row zero."""
+
+    def __init__(self, num_embeddings, embedding_dim, *, padding_idx=None, seed=None,
+                 dtype=np.float32):
+        num_embeddings = check_int(num_embeddings, "num_embeddings")
+        embedding_dim = check_int(embedding_dim, "embedding_dim")
+        if padding_idx is not None:
+            padding_idx = check_int(padding_idx, "padding_idx", minimum=-num_embeddings)
+            if padding_idx >= num_embeddings:
+                raise ValueError(f"padding_idx: expected an index in [0, {num_embeddings}), got {padding_idx}")
+            padding_idx %= num_embeddings
+        dt = check_dtype(dtype)
+        self._config = dict(num_embeddings=num_embeddings, embedding_dim=embedding_dim,
+                            padding_idx=padding_idx, seed=_config_seed(seed), dtype=dt.name)
+        w = _rng(seed).standard_normal((num_embeddings, embedding_dim)).astype(dt)
+        if padding_idx is not None:
+            w[padding_idx] = 0
+        self._params = {"weight": w}
+
+    @property
+    def weight(self):
+        return self._params["weight"]
+
+    def __call__(self, ids):
+        return self.forward(ids)
+
+    def forward(self, ids):
+        """``weight[ids]``: ids an integer array of any shape → ``ids.shape + (E,)``."""
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"ids: expected an integer array of token ids, got dtype {a.dtype}")
+        n = self._config["num_embeddings"]
+        if a.size and (a.min() < 0 or a.max() >= n):
+            raise ValueError(f"ids: expected token ids in [0, {n}), got values in [{a.min()}, {a.max()}]")
+        return self._params["weight"][a]
+
+    @classmethod
+    def from_torch(cls, module_or_state_dict, *, dtype=None):
+        """From ``torch.nn.Embedding`` or its state dict (``weight``)."""
+        sd, module = _torch_state(module_or_state_dict)
+        if "weight" not in sd or sd["weight"].ndim != 2:
+            raise ValueError(f"state_dict: expected 'weight' of shape (num_embeddings, embedding_dim), got keys {sorted(sd)}")
+        n, e = sd["weight"].shape
+        pad = getattr(module, "padding_idx", None) if module is not None else None
+        layer = cls(n, e, padding_idx=pad, dtype=_dtype_of(sd, dtype))
+        return layer.load_state_dict(sd)
+
+
+# ================================================================= Linear
+class Linear(Layer):
+    """``y = x Wᵀ + b``, ``weight (out, in)``, ``bias (out,)``; torch's
+    ``U(-1/√in, 1/√in)`` init."""
+
+    def __init__(self, in_features, out_features, *, bias=True, seed=None, dtype=np.float32):
+        in_features = check_int(in_features, "in_features")
+        out_features = check_int(out_features, "out_features")
+        bias = check_bool(bias, "bias")
+        dt = check_dtype(dtype)
+        self._config = dict(in_features=in_features, out_features=out_features, bias=bias,
+                            seed=_config_seed(seed), dtype=dt.name)
+        rng = _rng(seed)
+        lim = 1.0 / math.sqrt(in_features)
+        self._params = {"weight": rng.uniform(-lim, lim, (out_features, in_features)).astype(dt)}
+        if bias:
+            self._params["bias"] = rng.uniform(-lim, lim, (out_features,)).astype(dt)
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def forward(self, x):
+        """``x (..., in)`` → ``(..., out)``."""
+        x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
+        return F.linear(x, self._params["weight"], self._params.get("bias"))
+
+    @classmethod
+    def from_torch(cls, module_or_state_dict, *, dtype=None):
+        """From ``torch.nn.Linear`` or its state dict (``weight``, optional ``bias``)."""
+        sd, _ = _torch_state(module_or_state_dict)
+        if "weight" not in sd or sd["weight"].ndim != 2:
+            raise ValueError(f"state_dict: expected 'weight' of shape (out_features, in_features), got keys {sorted(sd)}")
+        o, i = sd["weight"].shape
+        layer = cls(i, o, bias="bias" in sd, dtype=_dtype_of(sd, dtype))
+        return layer.load_state_dict(sd)
+
+
+# ============================================================ recurrences
+def _cell(mode, gi, gh, h, c, relu=False):
+    """One step for the whole batch: gi = x W_ihᵀ + b_ih, gh = h W_hhᵀ + b_hh."""
+    H = h.shape[-1]
+    if mode == "RNN":
+        s = gi + gh
+        return (np.maximum(s, 0, out=s) if relu else np.tanh(s, out=s)), None
+    if mode == "GRU":
+        rz = expit(gi[:, :2 * H] + gh[:, :2 * H])
+        n = gh[:, 2 * H:] * rz[:, :H]
+        n += gi[:, 2 * H:]
+        np.tanh(n, out=n)
+        # h' = (1 - z) n + z h = n + z (h - n)
+        out = h - n
+        out *= rz[:, H:]
+        out += n
+        return out, None
+    s = gi + gh  # LSTM: i, f, g, o
+    g = np.tanh(s[:, 2 * H:3 * H])
+    expit(s, out=s)
+    c_new = s[:, H:2 * H] * c
+    c_new += s[:, :H] * g
+    h_new = np.tanh(c_new)
+    h_new *= s[:, 3 * H:]
+    return h_new, c_new
+
+
+_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+
+
+def lengths_from_mask(mask, T=None, name="src_mask"):
+    """Lengths ``(B,)`` from a boolean ``(B, T)`` mask, True = real token; the
+    real tokens must come first (padding at the end)."""
+    m = np.asarray(mask)
+    if m.dtype != np.bool_:
+        raise TypeError(f"{name}: expected a boolean array (True = real token), got dtype {m.dtype}")
+    if m.ndim != 2 or (T is not None and m.shape[1] != T):
+        raise ValueError(f"{name}: expected shape (B, {T if T is not None else 'T'}), got {m.shape}")
+    lengths = m.sum(axis=1)
+    prefix = np.arange(m.shape[1])[None, :] < lengths[:, None]
+    if not np.array_equal(prefix, m):
+        raise ValueError(f"{name}: padding must come after the real tokens (True values first in each row)")
+    return lengths
+
+
+class _RNNBase(Layer):
+    _mode = "RNN"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, *, bias=True, bidirectional=False,
+                 seed=None, dtype=np.float32, **extra):
+        input_size = check_int(input_size, "input_size")
+        hidden_size = check_int(hidden_size, "hidden_size")
+        num_layers = check_int(num_layers, "num_layers")
+        bias = check_bool(bias, "bias")
+        bidirectional = check_bool(bidirectional, "bidirectional")
+        dt = check_dtype(dtype)
+        self._config = dict(input_size=input_size, hidden_size=hidden_size, num_layers=num_layers,
+                            bias=bias, bidirectional=bidirectional, **extra,
+                            seed=_config_seed(seed), dtype=dt.name)
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.bidirectional = bias, bidirectional
+        self.num_directions = 2 if bidirectional else 1
+        G = _GATES[self._mode]
+        rng = _rng(seed)
+        lim = 1.0 / math.sqrt(hidden_size)
+        self._params = {}
+        for k in range(num_layers):
+            in_k = input_size if k == 0 else hidden_size * self.num_directions
+            for sfx in ("", "_reverse")[:self.num_directions]:
+                shapes = {f"weight_ih_l{k}{sfx}": (G * hidden_size, in_k),
+                          f"weight_hh_l{k}{sfx}": (G * hidden_size, hidden_size)}
+                if bias:
+                    shapes[f"bias_ih_l{k}{sfx}"] = (G * hidden_size,)
+                    shapes[f"bias_hh_l{k}{sfx}"] = (G * hidden_size,)
+                for n, s in shapes.items():
+                    self._params[n] = rng.uniform(-lim, lim, s).astype(dt)
+        self._cache = {}
+
+    def _after_load(self):
+        self._cache = {}
+
+    @property
+    def dtype(self):
+        return np.dtype(self._config["dtype"])
+
+    def _weights(self, k, sfx, ct):
+        """(W_ih, W_hh, b_ih, b_hh) in dtype ct (cached)."""
+        key = (k, sfx, ct.str)
+        w = self._cache.get(key)
+        if w is None:
+            p = self._params
+            G = _GATES[self._mode] * self.hidden_size
+            w = (np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"], dtype=ct),
+                 np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"], dtype=ct),
+                 p[f"bias_ih_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct),
+                 p[f"bias_hh_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct))
+            self._cache[key] = w
+        return w
+
+    # ------------------------------------------------------------ states
+    def _check_state(self, state, B, unbatched, ct):
+        LD, H = self.num_layers * self.num_directions, self.hidden_size
+        want = (LD, H) if unbatched else (LD, B, H)
+        names = ("h0", "c0") if self._mode == "LSTM" else ("h0",)
+        if state is None:
+            return [np.zeros((LD, B, H), ct) for _ in names]
+        if self._mode == "LSTM":
+            if not isinstance(state, (tuple, list)) or len(state) != 2:
+                raise TypeError(f"state: expected a tuple (h0, c0) for LSTM, got {type(state).__name__}")
+            parts = list(state)
+        else:
+            parts = [state]
+        out = []
+        for name, s in zip(names, parts):
+            s = as_float_input(s, name, (len(want),))
+            if s.shape != want:
+                raise ValueError(f"{name}: expected shape {want} (num_layers * num_directions, "
+                                 f"{'' if unbatched else 'B, '}hidden_size), got {s.shape}")
+            out.append((s[:, None, :] if unbatched else s).astype(ct, copy=True))
+        return out
+
+    def _pack_state(self, hs, cs, unbatched):
+        h = np.stack(hs)
+        if unbatched:
+            h = h[:, 0]
+        if self._mode != "LSTM":
+            return h
+        c = np.stack(cs)
+        return h, (c[:, 0] if unbatched else c)
+
+    # ----------------------------------------------------------- forward
+    def __call__(self, x, state=None, *, lengths=None):
+        return self.forward(x, state, lengths=lengths)
+
+    def forward(self, x, state=None, *, lengths=None):
+        """Run the whole sequence.
+
+        x : (B, T, input_size) or unbatched (T, input_size)
+        state : initial state, (num_layers * D, B, H) (``(h0, c0)`` for LSTM),
+            zeros when omitted.
+        lengths : optional (B,) ints in [0, T]: packed-sequence semantics.
+
+        Returns ``(outputs (B, T, D * H), final_state)``.
+        """
+        x = as_float_input(x, "x", (2, 3), last=self.input_size)
+        unbatched = x.ndim == 2
+        if unbatched:
+            x = x[None]
+        B, T, _ = x.shape
+        ct = np.result_type(x.dtype, self.dtype)
+        mask = None
+        if lengths is not None:
+            if unbatched:
+                raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
+            lengths = _check_lengths(lengths, B, T)
+            if np.any(lengths < T):
+                mask = np.arange(T)[None, :] < lengths[:, None]
+        st = self._check_state(state, B, unbatched, ct)
+        h0 = st[0]
+        c0 = st[1] if self._mode == "LSTM" else None
+        hs, cs = [], []
+        inp = x
+        H = self.hidden_size
+        relu = self._config.get("nonlinearity") == "relu"
+        for k in range(self.num_layers):
+            outs = np.zeros((B, T, self.num_directions * H), ct)
+            for d, sfx in enumerate(("", "_reverse")[:self.num_directions]):
+                wih, whh, bih, bhh = self._weights(k, sfx, ct)
+                idx = k * self.num_directions + d
+                xw = F.linear(inp.reshape(B * T, -1), wih, bih).reshape(B, T, -1)
+                h = h0[idx].copy()
+                c = None if c0 is None else c0[idx].copy()
+                o = outs[:, :, d * H:(d + 1) * H]
+                for t in (range(T - 1, -1, -1) if d else range(T)):
+                    gh = F.linear(h, whh, bhh)
+                    hn, cn = _cell(self._mode, xw[:, t], gh, h, c, relu)
+                    if mask is not None:
+                        m = mask[:, t, None]
+                        hn = np.where(m, hn, h)
+                        if cn is not None:
+                            cn = np.where(m, cn, c)
+                        o[:, t] = np.where(m, hn, 0)
+                    else:
+                        o[:, t] = hn
+                    h, c = hn, cn
+                hs.append(h)
+                cs.append(c)
+            inp = outs
+        outputs = inp[0] if unbatched else inp
+        return outputs, self._pack_state(hs, cs, unbatched)
+
+    def step(self, x, state=None):
+        """One time step for a unidirectional layer: x (B, input_size) → (output (B, H), state)."""
+        if self.bidirectional:
+            raise ValueError("step: a bidirectional layer needs the whole sequence; use forward()")
+        x = as_float_input(x, "x", (2,), last=self.input_size)
+        B = x.shape[0]
+        ct = np.result_type(x.dtype, self.dtype)
+        st = self._check_state(state, B, False, ct)
+        relu = self._config.get("nonlinearity") == "relu"
+        hs, cs = [], []
+        inp = x
+        for k in range(self.num_layers):
+            wih, whh, bih, bhh = self._weights(k, "", ct)
+            gi = F.linear(inp, wih, bih)
+            gh = F.linear(st[0][k], whh, bhh)
+            h, c = _cell(self._mode, gi, gh, st[0][k], st[1][k] if self._mode == "LSTM" else None, relu)
+            hs.append(h)
+            cs.append(c)
+            inp = h
+        return inp, self._pack_state(hs, cs, False)
+
+    # ------------------------------------------------------------ torch
+    @classmethod
+    def from_torch(cls, module_or_state_dict, *, dtype=None, **kwargs):
+        """From ``torch.nn.RNN`` / ``GRU`` / ``LSTM`` (or its state dict: sizes are
+        read off ``weight_ih_l0`` / ``weight_hh_l0``, layers and directions off
+        the names).  torch's ``batch_first`` does not matter: fastattn is
+        always batch-first."""
+        sd, module = _torch_state(module_or_state_dict)
+        G = _GATES[cls._mode]
+        if module is not None:
+            tname = type(module).__name__
+            if tname != cls._torch_name:
+                raise TypeError(f"module_or_state_dict: expected torch.nn.{cls._torch_name}, got {tname}")
+            if getattr(module, "proj_size", 0):
+                raise ValueError("module_or_state_dict: LSTM proj_size is not supported")
+            if cls._mode == "RNN":
+                kwargs.setdefault("nonlinearity", module.nonlinearity)
+        if "weight_ih_l0" not in sd or "weight_hh_l0" not in sd:
+            raise ValueError(f"state_dict: expected 'weight_ih_l0' and 'weight_hh_l0', got keys {sorted(sd)}")
+        GH, in_size = sd["weight_ih_l0"].shape
+        if GH % G:
+            raise ValueError(f"state_dict['weight_ih_l0']: expected {G} * hidden_size rows for {cls.__name__}, got {GH}")
+        H = GH // G
+        L = 0
+        while f"weight_ih_l{L}" in sd:
+            L += 1
+        layer = cls(in_size, H, L, bias="bias_ih_l0" in sd, bidirectional="weight_ih_l0_reverse" in sd,
+                    dtype=_dtype_of(sd, dtype), **kwargs)
+        return layer.load_state_dict(sd)
+
+
+def _check_lengths(lengths, B, T, name="lengths"):
+    a = np.asarray(lengths)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
+    if a.shape != (B,):
+        raise ValueError(f"{name}: expected shape ({B},) (one length per batch item), got {a.shape}")
+    if a.size and (a.min() < 0 or a.max() > T):
+        raise ValueError(f"{name}: expected lengths in [0, {T}], got values in [{a.min()}, {a.max()}]")
+    return a.astype(np.intp)
+
+
+class SimpleRNN(_RNNBase):
+    """Elman RNN, ``torch.nn.RNN`` (``nonlinearity="tanh"`` or ``"relu"``)."""
+    _mode = "RNN"
+    _torch_name = "RNN"
+
+    def __init__(self, input_size, hidden_size, num_layers=1, *, nonlinearity="tanh", bias=True,
+                 bidirectional=False, seed=None, dtype=np.float32):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        super().__init__(input_size, hidden_size, num_layers, bias=bias, bidirectional=bidirectional,
+                         seed=seed, dtype=dtype, nonlinearity=nonlinearity)
+
+
+class GRU(_RNNBase):
+    """``torch.nn.GRU`` (gates r, z, n)."""
+    _mode = "GRU"
+    _torch_name = "GRU"
+
+
+class LSTM(_RNNBase):
+    """``torch.nn.LSTM`` (gates i, f, g, o); state ``(h, c)``."""
+    _mode = "LSTM"
+    _torch_name = "LSTM"
+
+
+_CELLS = {"rnn": SimpleRNN, "gru": GRU, "lstm": LSTM}
+
+
+def rnn_class(cell):
+    if not isinstance(cell, str) or cell.lower() not in _CELLS:
+        raise ValueError(f"cell: expected one of {sorted(_CELLS)}, got {cell!r}")
+    return _CELLS[cell.lower()]
+
+
+# ============================================================= RNNEncoder
+class RNNEncoder(Layer):
+    """Embedding + (stacked, optionally bidirectional) RNN over token ids.
+
+    ``forward(src, lengths=None, src_mask=None)`` → ``(outputs (B, S, D * H),
+    final_state, src_mask (B, S) bool)``.  Padding is given as ``lengths`` or
+    as a boolean ``src_mask`` (True = real token, padding at the end); padded
+    positions never leak into the states (packed-sequence semantics).
+    """
+
+    def __init__(self, vocab_size, embed_dim, hidden_size, *, cell="gru", num_layers=1,
+                 bidirectional=False, padding_idx=None, seed=None, dtype=np.float32):
+        rnn_cls = rnn_class(cell)
+        rng = _rng(seed)
+        self.embedding = Embedding(vocab_size, embed_dim, padding_idx=padding_idx, seed=rng, dtype=dtype)
+        self.rnn = rnn_cls(embed_dim, hidden_size, num_layers, bidirectional=bidirectional, seed=rng,
+                           dtype=dtype)
+        self._config = dict(vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=hidden_size,
+                            cell=cell.lower(), num_layers=num_layers, bidirectional=bidirectional,
+                            padding_idx=self.embedding._config["padding_idx"],
+                            seed=_config_seed(seed), dtype=np.dtype(dtype).name)
+        self._params = {}
+
+    @property
+    def output_size(self):
+        return self.rnn.hidden_size * self.rnn.num_directions
+
+    def _children(self):
+        return {"embedding": self.embedding, "rnn": self.rnn}
+
+    def __call__(self, src, lengths=None, src_mask=None, state=None):
+        return self.forward(src, lengths=lengths, src_mask=src_mask, state=state)
+
+    def forward(self, src, lengths=None, src_mask=None, state=None):
+        ids = np.asarray(src)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"src: expected an integer array of token ids, got dtype {ids.dtype}")
+        if ids.ndim != 2:
+            raise ValueError(f"src: expected shape (B, S), got {ids.ndim}-d array of shape {ids.shape}")
+        B, S = ids.shape
+        if src_mask is not None:
+            from_mask = lengths_from_mask(src_mask, S)
+            if from_mask.shape != (B,):
+                raise ValueError(f"src_mask: expected shape ({B}, {S}), got {np.shape(src_mask)}")
+            if lengths is not None and not np.array_equal(_check_lengths(lengths, B, S), from_mask):
+                raise ValueError("lengths: disagree with src_mask")
+            lengths = from_mask
+        if lengths is not None:
+            lengths = _check_lengths(lengths, B, S)
+        x = self.embedding(ids)
+        out, final = self.rnn(x, state, lengths=lengths)
+        mask = (np.ones((B, S), bool) if lengths is None
+                else np.arange(S)[None, :] < lengths[:, None])
+        return out, final, mask

@@ -1,0 +1,386 @@
+"""``AttentionDecoder`` (Bahdanau and Luong forms) and ``Seq2Seq``.
+
+Notation: encoder states ``h_i`` (the memory, ``(B, S, D)``), decoder state
+``s_t`` (the top layer's hidden state), input token embedding ``x'_t``
+(the previous target token), weights ``α_ti = softmax_i(score(s, h_i))`` over
+the real source tokens only, context ``c = Σ_i α_ti h_i``.
+
+* **Bahdanau** (``style="bahdanau"``): score the *previous* state ``s_{t-1}``;
+  the context enters the cell with the input embedding:
+  ``s_t = f([x'_t; c_{t-1}], s_{t-1})`` where ``c_{t-1}`` is the context
+  scored from ``s_{t-1}``; ``logits_t = W_out s_t + b_out`` (the layout of
+  the PyTorch seq2seq tutorial's ``AttnDecoderRNN``).
+* **Luong** (``style="luong"``): the cell runs first, ``s_t = f(x'_t, s_{t-1})``;
+  score the *current* state ``s_t``, ``c_t = Σ α_ti h_i``, combine
+  ``h̃_t = tanh(W_c [c_t; s_t])`` and ``logits_t = W_out h̃_t + b_out``.
+
+The score is any registered similarity (``attn.<param>`` in the state dict,
+``d_q`` = decoder hidden size, ``d_k`` = memory size).  Per source, the
+key-only part of the score (e.g. ``W_k h_i`` of additive / concat, ``W h_i``
+of general) is computed once by :meth:`AttentionDecoder.precompute`
+(:meth:`Similarity.precompute_keys`) and reused by every :meth:`step`.
+All attention goes through :func:`fastattn.attention`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import functional as F
+from ._base import Layer, as_float_input, check_dtype, check_int
+from .attention import _similarity_config, init_similarity_params, resolve_similarity
+from .rnn import Embedding, Linear, RNNEncoder, _config_seed, _rng, rnn_class
+
+__all__ = ["AttentionDecoder", "Seq2Seq", "Memory", "DecodeResult"]
+
+
+def log_softmax(x, axis=-1):
+    """``x - logsumexp(x)`` along ``axis`` (plain NumPy; scipy's version costs
+    ~100 us of dispatch per call, a fifth of a decoder step at B=1)."""
+    m = np.max(x, axis=axis, keepdims=True)
+    z = x - m
+    return z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
+
+
+class Memory(NamedTuple):
+    """The encoder memory prepared for decoding (made once per source batch)."""
+    values: np.ndarray           # (B, S, D) encoder states
+    keys: np.ndarray             # (B, S, d_k') keys with the key-only part of the score applied
+    similarity: object           # the similarity that scores against ``keys``
+    params: dict | None          # its parameters
+    mask: np.ndarray | None      # (B, 1, S) bool, True = real source token
+
+
+class DecodeResult(NamedTuple):
+    tokens: np.ndarray       # (B, L) int64, generated tokens (eos included), pad after the end
+    lengths: np.ndarray      # (B,) number of generated tokens (eos included)
+    scores: np.ndarray       # (B,) sum of the log-probabilities of the tokens
+    alignments: np.ndarray   # (B, L, S) attention weights of every step (0 after the end)
+
+
+_STYLES = ("bahdanau", "luong")
+
+
+class AttentionDecoder(Layer):
+    """RNN decoder attending over an encoder memory.
+
+    Parameters
+    ----------
+    vocab_size, embed_dim, hidden_size : int
+    memory_dim : int
+        Feature size D of the encoder states.
+    style : "bahdanau" or "luong"
+    similarity : str, Similarity or config dict (default ``"additive"``)
+    attn_dim : int
+        Inner size of additive / concat scores (default ``hidden_size``).
+    cell : "gru" (default), "lstm" or "rnn"; num_layers : int
+    """
+
+    def __init__(self, vocab_size, embed_dim, hidden_size, memory_dim, *, style="bahdanau",
+                 similarity="additive", attn_dim=None, cell="gru", num_layers=1, padding_idx=None,
+                 seed=None, dtype=np.float32):
+        vocab_size = check_int(vocab_size, "vocab_size")
+        embed_dim = check_int(embed_dim, "embed_dim")
+        hidden_size = check_int(hidden_size, "hidden_size")
+        memory_dim = check_int(memory_dim, "memory_dim")
+        attn_dim = hidden_size if attn_dim is None else check_int(attn_dim, "attn_dim")
+        if style not in _STYLES:
+            raise ValueError(f"style: expected one of {_STYLES}, got {style!r}")
+        dt = check_dtype(dtype)
+        rnn_cls = rnn_class(cell)
+        self.similarity = resolve_similarity(similarity)
+        if self.similarity.same_dims and hidden_size != memory_dim:
+            raise ValueError(
+                f"similarity: {self.similarity.name!r} needs hidden_size == memory_dim, got "
+                f"hidden_size={hidden_size}, memory_dim={memory_dim} (use 'general', 'additive' or 'concat')")
+        rng = _rng(seed)
+        self.style = style
+        self.hidden_size, self.memory_dim, self.vocab_size = hidden_size, memory_dim, vocab_size
+        self.embedding = Embedding(vocab_size, embed_dim, padding_idx=padding_idx, seed=rng, dtype=dt)
+        in_size = embed_dim + memory_dim if style == "bahdanau" else embed_dim
+        self.rnn = rnn_cls(in_size, hidden_size, num_layers, seed=rng, dtype=dt)
+        self.combine = (Linear(memory_dim + hidden_size, hidden_size, bias=False, seed=rng, dtype=dt)
+                        if style == "luong" else None)
+        self.out = Linear(hidden_size, vocab_size, seed=rng, dtype=dt)
+        self._params = {f"attn.{k}": v for k, v in init_similarity_params(
+            self.similarity, hidden_size, memory_dim, attn_dim, rng, dt).items()}
+        self._config = dict(vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=hidden_size,
+                            memory_dim=memory_dim, style=style,
+                            similarity=_similarity_config(self.similarity), attn_dim=attn_dim,
+                            cell=cell.lower(), num_layers=num_layers,
+                            padding_idx=self.embedding._config["padding_idx"],
+                            seed=_config_seed(seed), dtype=dt.name)
+
+    def _children(self):
+        ch = {"embedding": self.embedding, "rnn": self.rnn, "out": self.out}
+        if self.combine is not None:
+            ch["combine"] = self.combine
+        return ch
+
+    @property
+    def dtype(self):
+        return np.dtype(self._config["dtype"])
+
+    # ------------------------------------------------------------ memory
+    def precompute(self, memory, memory_mask=None) -> Memory:
+        """Prepare the encoder states ``memory (B, S, D)`` (mask ``(B, S)`` bool,
+        True = real token) for :meth:`step` / :meth:`forward`: the key-only part
+        of the score is applied here, once."""
+        memory = as_float_input(memory, "memory", (3,), last=self.memory_dim)
+        B, S, _ = memory.shape
+        mask = None
+        if memory_mask is not None:
+            m = np.asarray(memory_mask)
+            if m.dtype != np.bool_:
+                raise TypeError(f"memory_mask: expected a boolean array (True = real token), got dtype {m.dtype}")
+            if m.shape != (B, S):
+                raise ValueError(f"memory_mask: expected shape ({B}, {S}), got {m.shape}")
+            mask = m[:, None, :].copy()
+        ct = np.result_type(memory.dtype, self.dtype)
+        raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
+        params = self.similarity.check_params(raw or None, self.hidden_size, self.memory_dim, ct)
+        sim, sparams, keys = self.similarity.precompute_keys(memory.astype(ct, copy=False), params)
+        return Memory(memory, keys, sim, sparams, mask)
+
+    def _attend(self, query, mem: Memory):
+        """query (B, Lq, H) → context (B, Lq, D), weights (B, Lq, S)."""
+        return F.attention(query, mem.keys, mem.values, mem.similarity, params=mem.params,
+                           attn_mask=mem.mask, return_weights=True)
+
+    @staticmethod
+    def _top(state):
+        return (state[0] if isinstance(state, tuple) else state)[-1]
+
+    def initial_state(self, B, dtype=None):
+        dt = self.dtype if dtype is None else dtype
+        z = np.zeros((self.rnn.num_layers, B, self.hidden_size), dt)
+        return (z, z.copy()) if self._config["cell"] == "lstm" else z
+
+    # -------------------------------------------------------------- step
+    def step(self, tokens, state, memory: Memory):
+        """One decoding step for the whole batch.
+
+        tokens : (B,) ints, the previous target token; state : the decoder RNN
+        state (``(num_layers, B, H)``, ``(h, c)`` for LSTM); memory : from
+        :meth:`precompute`.  Returns ``(logits (B, V), state, weights (B, S))``.
+        """
+        if not isinstance(memory, Memory):
+            raise TypeError(f"memory: expected the Memory returned by precompute(), got {type(memory).__name__}")
+        tok = np.asarray(tokens)
+        B = memory.values.shape[0]
+        if tok.shape != (B,):
+            raise ValueError(f"tokens: expected shape ({B},) (one token per batch item), got {tok.shape}")
+        e = self.embedding(tok)
+        if self.style == "bahdanau":
+            ctx, w = self._attend(self._top(state)[:, None, :], memory)
+            x = np.concatenate([e.astype(ctx.dtype, copy=False), ctx[:, 0]], axis=-1)
+            s, state = self.rnn.step(x, state)
+            logits = self.out(s)
+        else:
+            s, state = self.rnn.step(e, state)
+            ctx, w = self._attend(s[:, None, :], memory)
+            ht = np.tanh(self.combine(np.concatenate([ctx[:, 0], s], axis=-1)))
+            logits = self.out(ht)
+        return logits, state, w[:, 0]
+
+    # ----------------------------------------------------- teacher forced
+    def forward(self, tgt_in, state, memory: Memory):
+        """Teacher-forced pass: tgt_in (B, T) ints → ``(logits (B, T, V), state,
+        alignments (B, T, S))``.  Luong runs the cell over all steps, then one
+        attention call with T queries; Bahdanau needs s_{t-1} for each score and
+        loops over :meth:`step`."""
+        if not isinstance(memory, Memory):
+            raise TypeError(f"memory: expected the Memory returned by precompute(), got {type(memory).__name__}")
+        tgt = np.asarray(tgt_in)
+        if tgt.dtype.kind not in "iu":
+            raise TypeError(f"tgt_in: expected an integer array of token ids, got dtype {tgt.dtype}")
+        B = memory.values.shape[0]
+        if tgt.ndim != 2 or tgt.shape[0] != B:
+            raise ValueError(f"tgt_in: expected shape ({B}, T), got {tgt.shape}")
+        T = tgt.shape[1]
+        if self.style == "luong":
+            outs, state = self.rnn(self.embedding(tgt), state)
+            ctx, w = self._attend(outs, memory)
+            ht = np.tanh(self.combine(np.concatenate([ctx, outs], axis=-1)))
+            return self.out(ht), state, w
+        logits, aligns = [], []
+        for t in range(T):
+            lg, state, w = self.step(tgt[:, t], state, memory)
+            logits.append(lg)
+            aligns.append(w)
+        S = memory.values.shape[1]
+        if T == 0:
+            return (np.zeros((B, 0, self.vocab_size), self.dtype), state, np.zeros((B, 0, S), self.dtype))
+        return np.stack(logits, axis=1), state, np.stack(aligns, axis=1)
+
+
+class Seq2Seq(Layer):
+    """``RNNEncoder`` + ``AttentionDecoder``.
+
+    init_state : "encoder" (default) starts the decoder from the encoder's
+        final state (per layer; a bidirectional encoder's two directions are
+        concatenated, so the decoder's hidden size must be ``2 * H_enc``); the
+        cells and layer counts must match.  "zeros" starts from zeros.
+    bos_id, eos_id : start and end tokens; pad_id fills generated sequences
+        after their end (default eos_id).
+    """
+
+    def __init__(self, encoder, decoder, *, bos_id, eos_id, pad_id=None, init_state="encoder"):
+        if not isinstance(encoder, RNNEncoder):
+            raise TypeError(f"encoder: expected an RNNEncoder, got {type(encoder).__name__}")
+        if not isinstance(decoder, AttentionDecoder):
+            raise TypeError(f"decoder: expected an AttentionDecoder, got {type(decoder).__name__}")
+        V = decoder.vocab_size
+        bos_id = check_int(bos_id, "bos_id", 0)
+        eos_id = check_int(eos_id, "eos_id", 0)
+        pad_id = eos_id if pad_id is None else check_int(pad_id, "pad_id", 0)
+        for name, v in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+            if v >= V:
+                raise ValueError(f"{name}: expected a token id in [0, {V}), got {v}")
+        if encoder.output_size != decoder.memory_dim:
+            raise ValueError(f"decoder: expected memory_dim {encoder.output_size} (the encoder's output "
+                             f"size), got {decoder.memory_dim}")
+        if init_state not in ("encoder", "zeros"):
+            raise ValueError(f"init_state: expected 'encoder' or 'zeros', got {init_state!r}")
+        if init_state == "encoder":
+            ec, dc = encoder._config, decoder._config
+            if ec["cell"] != dc["cell"] or ec["num_layers"] != dc["num_layers"] or \
+                    encoder.output_size != decoder.hidden_size:
+                raise ValueError(
+                    "init_state: 'encoder' needs the same cell and num_layers and decoder hidden_size == "
+                    f"encoder output size; got encoder ({ec['cell']}, {ec['num_layers']} layers, output "
+                    f"{encoder.output_size}) and decoder ({dc['cell']}, {dc['num_layers']} layers, hidden "
+                    f"{decoder.hidden_size}); use init_state='zeros'")
+        self.encoder, self.decoder = encoder, decoder
+        self.bos_id, self.eos_id, self.pad_id, self.init_state = bos_id, eos_id, pad_id, init_state
+        self._params = {}
+        self._config = dict(encoder=encoder.get_config(), decoder=decoder.get_config(), bos_id=bos_id,
+                            eos_id=eos_id, pad_id=pad_id, init_state=init_state)
+
+    def _children(self):
+        return {"encoder": self.encoder, "decoder": self.decoder}
+
+    @classmethod
+    def from_config(cls, config):
+        if not isinstance(config, dict):
+            raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+        cfg = dict(config)
+        enc = RNNEncoder.from_config(cfg.pop("encoder"))
+        dec = AttentionDecoder.from_config(cfg.pop("decoder"))
+        return cls(enc, dec, **cfg)
+
+    # ------------------------------------------------------------ encode
+    def _bridge(self, final, B):
+        if self.init_state == "zeros":
+            return self.decoder.initial_state(B)
+        D = self.encoder.rnn.num_directions
+
+        def merge(h):  # (L * D, B, H) -> (L, B, D * H)
+            L = h.shape[0] // D
+            return np.concatenate([h[d::D] for d in range(D)], axis=-1) if D == 2 else h.reshape(L, *h.shape[1:])
+
+        if isinstance(final, tuple):
+            return tuple(merge(h) for h in final)
+        return merge(final)
+
+    def encode(self, src, src_mask=None, lengths=None):
+        """src (B, S) ids → ``(Memory, initial decoder state)``."""
+        out, final, mask = self.encoder(src, lengths=lengths, src_mask=src_mask)
+        B = out.shape[0]
+        return self.decoder.precompute(out, mask if not mask.all() else None), self._bridge(final, B)
+
+    def __call__(self, src, tgt_in, src_mask=None, **kwargs):
+        return self.forward(src, tgt_in, src_mask, **kwargs)
+
+    def forward(self, src, tgt_in, src_mask=None, *, lengths=None, return_alignments=False):
+        """Teacher-forced logits ``(B, T, V)`` (and alignments ``(B, T, S)``)."""
+        mem, state = self.encode(src, src_mask, lengths)
+        logits, _, al = self.decoder.forward(tgt_in, state, mem)
+        return (logits, al) if return_alignments else logits
+
+    def step(self, tokens, state, memory):
+        """One incremental step; see :meth:`AttentionDecoder.step`."""
+        return self.decoder.step(tokens, state, memory)
+
+    # ---------------------------------------------------------- decoding
+    def greedy_decode(self, src, src_mask=None, *, lengths=None, max_len=50):
+        """Arg-max decoding from ``bos_id`` until ``eos_id`` or ``max_len`` tokens."""
+        max_len = check_int(max_len, "max_len")
+        mem, state = self.encode(src, src_mask, lengths)
+        B, S = mem.values.shape[:2]
+        tokens = np.full((B, max_len), self.pad_id, np.int64)
+        aligns = np.zeros((B, max_len, S), mem.values.dtype)
+        scores = np.zeros(B, np.float64)
+        lengths_out = np.zeros(B, np.int64)
+        done = np.zeros(B, bool)
+        y = np.full(B, self.bos_id, np.int64)
+        rows = np.arange(B)
+        for t in range(max_len):
+            logits, state, w = self.decoder.step(y, state, mem)
+            lp = log_softmax(logits, axis=-1)
+            y = np.argmax(lp, axis=-1)
+            live = ~done
+            tokens[live, t] = y[live]
+            aligns[live, t] = w[live]
+            scores[live] += lp[rows, y][live]
+            lengths_out[live] += 1
+            done |= y == self.eos_id
+            if done.all():
+                break
+        return DecodeResult(tokens, lengths_out, scores, aligns)
+
+    def beam_search(self, src, src_mask=None, *, lengths=None, beam_size=4, max_len=50,
+                    length_penalty=0.0):
+        """Beam search; the best hypothesis per batch item by
+        ``score / length ** length_penalty`` (0: raw sum of log-probabilities).
+        ``beam_size=1`` is exactly :meth:`greedy_decode`."""
+        K = check_int(beam_size, "beam_size")
+        max_len = check_int(max_len, "max_len")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
+                or not np.isfinite(length_penalty) or length_penalty < 0:
+            raise ValueError(f"length_penalty: expected a finite number >= 0, got {length_penalty!r}")
+        mem, state = self.encode(src, src_mask, lengths)
+        B, S = mem.values.shape[:2]
+        V = self.decoder.vocab_size
+        rep = np.repeat(np.arange(B), K)
+        mem = Memory(mem.values[rep], mem.keys[rep], mem.similarity, mem.params,
+                     None if mem.mask is None else mem.mask[rep])
+        state = tuple(s[:, rep] for s in state) if isinstance(state, tuple) else state[:, rep]
+        scores = np.full((B, K), -np.inf)
+        scores[:, 0] = 0.0
+        done = np.zeros((B, K), bool)
+        seqs = np.zeros((B, K, 0), np.int64)
+        aligns = np.zeros((B, K, 0, S), mem.values.dtype)
+        lens = np.zeros((B, K), np.int64)
+        y = np.full(B * K, self.bos_id, np.int64)
+        for t in range(max_len):
+            logits, state, w = self.decoder.step(y, state, mem)
+            lp = log_softmax(logits, axis=-1).astype(np.float64).reshape(B, K, V)
+            lp[done] = -np.inf
+            lp[done, self.pad_id] = 0.0
+            cand = (scores[:, :, None] + lp).reshape(B, K * V)
+            idx = np.argsort(-cand, axis=1, kind="stable")[:, :K]
+            beam, tok = idx // V, idx % V
+            flat = (np.arange(B)[:, None] * K + beam).reshape(-1)
+            scores = np.take_along_axis(cand, idx, axis=1)
+            prev_done = np.take_along_axis(done, beam, axis=1)
+            w = np.where(prev_done.reshape(-1, 1), 0, w[flat]).reshape(B, K, 1, S)
+            seqs = np.concatenate([np.take_along_axis(seqs, beam[:, :, None], axis=1),
+                                   np.where(prev_done, self.pad_id, tok)[:, :, None]], axis=2)
+            aligns = np.concatenate([np.take_along_axis(aligns, beam[:, :, None, None], axis=1), w], axis=2)
+            lens = np.take_along_axis(lens, beam, axis=1) + ~prev_done
+            done = prev_done | (tok == self.eos_id)
+            state = tuple(s[:, flat] for s in state) if isinstance(state, tuple) else state[:, flat]
+            y = tok.reshape(-1)
+            if done.all():
+                break
+        norm = scores / np.maximum(lens, 1) ** length_penalty if length_penalty else scores
+        best = np.argmax(norm, axis=1)
+        r = np.arange(B)
+        L = seqs.shape[2]
+        tokens = np.full((B, max_len), self.pad_id, np.int64)
+        tokens[:, :L] = seqs[r, best]
+        al = np.zeros((B, max_len, S), mem.values.dtype)
+        al[:, :L] = aligns[r, best]
+        return DecodeResult(tokens, lens[r, best], scores[r, best], al)

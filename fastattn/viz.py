@@ -1,0 +1,135 @@
+"""Looking at attention weights.
+
+* :func:`heatmap` -- a weight matrix as an image with token labels; returns a
+  matplotlib ``Figure``.  matplotlib (the ``viz`` extra) is imported only when
+  called; the object API is used (``matplotlib.figure.Figure`` with an Agg
+  canvas), so no pyplot global state, no display and no backend switch are
+  needed: ``heatmap(w).savefig("a.png")`` works on a headless server.
+* :func:`highlight` -- a terminal rendering: for each query token, the key
+  tokens with the largest weights highlighted (ANSI colours optional, plain
+  ``[brackets]`` otherwise).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["heatmap", "highlight"]
+
+
+def _weights_2d(weights, name="weights"):
+    try:
+        w = np.asarray(weights)
+    except Exception as exc:
+        raise TypeError(f"{name}: expected an array of real numbers, got {type(weights).__name__} ({exc})") from None
+    if w.dtype.kind not in "fiub":
+        raise TypeError(f"{name}: expected real numbers, got dtype {w.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-d array (Lq, Lk); got {w.ndim}-d array of shape {w.shape} "
+                         "(select one batch item / head first, e.g. weights[0])")
+    w = w.astype(np.float64)
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"{name}: contains NaN or infinite values")
+    return w
+
+
+def _tokens(tokens, n, name, axis):
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    if isinstance(tokens, str):
+        raise TypeError(f"{name}: expected a sequence of tokens, got a str (split it first)")
+    toks = [str(t) for t in tokens]
+    if len(toks) != n:
+        raise ValueError(f"{name}: expected {n} tokens (weights has {n} {axis}), got {len(toks)}")
+    return toks
+
+
+def heatmap(weights, query_tokens=None, key_tokens=None, ax=None, *, cmap="viridis", title=None,
+            colorbar=True, annotate=False, vmin=0.0, vmax=None, figsize=None):
+    """Draw ``weights (Lq, Lk)`` as a heatmap: rows = queries (top to bottom),
+    columns = keys, labelled with the tokens.
+
+    ax : an existing matplotlib Axes to draw into (its figure is returned);
+        otherwise a new ``Figure`` with an Agg canvas is made.
+    annotate : write each weight in its cell.
+    vmin, vmax : colour limits (default 0 and the largest weight).
+
+    Returns the ``matplotlib.figure.Figure``.
+    """
+    w = _weights_2d(weights)
+    Lq, Lk = w.shape
+    qt = _tokens(query_tokens, Lq, "query_tokens", "rows")
+    kt = _tokens(key_tokens, Lk, "key_tokens", "columns")
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("fastattn.viz.heatmap needs matplotlib: pip install 'fastattn[viz]'") from exc
+    if ax is None:
+        if figsize is None:
+            figsize = (max(3.0, 0.5 * Lk + 2.0), max(2.5, 0.45 * Lq + 1.5))
+        fig = Figure(figsize=figsize, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    hi = float(w.max()) if vmax is None and w.size else (1.0 if vmax is None else vmax)
+    im = ax.imshow(w, cmap=cmap, vmin=vmin, vmax=max(hi, vmin + 1e-12), aspect="auto",
+                   interpolation="nearest")
+    ax.set_xticks(range(Lk), labels=kt, rotation=90 if max(map(len, kt), default=0) > 3 else 0)
+    ax.set_yticks(range(Lq), labels=qt)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title is not None:
+        ax.set_title(title)
+    if annotate:
+        mid = (vmin + hi) / 2
+        for i in range(Lq):
+            for j in range(Lk):
+                ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if w[i, j] > mid else "white")
+    if colorbar:
+        fig.colorbar(im, ax=ax)
+    return fig
+
+
+_ANSI = ("\x1b[1;97;41m", "\x1b[1;30;43m", "\x1b[30;46m")  # rank 1, 2, 3+ backgrounds
+_RESET = "\x1b[0m"
+
+
+def highlight(weights, query_tokens, key_tokens, top_k=3, *, color=False, show_weights=True,
+              decimals=2):
+    """A terminal rendering of ``weights (Lq, Lk)``: one line per query token,
+    the key sentence with the ``top_k`` largest-weight keys highlighted.
+
+    color : True for ANSI colours (rank 1 red, 2 yellow, others cyan); False
+        (default) marks them ``[token]`` -- plain text for logs and files.
+    show_weights : append ``token=weight`` for the highlighted keys, largest first.
+
+    Keys with weight 0 (masked) are never highlighted.  Returns a str.
+    """
+    w = _weights_2d(weights)
+    Lq, Lk = w.shape
+    qt = _tokens(query_tokens, Lq, "query_tokens", "rows")
+    kt = _tokens(key_tokens, Lk, "key_tokens", "columns")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
+    if not isinstance(color, (bool, np.bool_)):
+        raise TypeError(f"color: expected a bool, got {type(color).__name__}")
+    width = max(map(len, qt), default=0)
+    lines = []
+    for i in range(Lq):
+        order = [j for j in np.argsort(-w[i], kind="stable")[:top_k] if w[i, j] > 0]
+        rank = {j: r for r, j in enumerate(order)}
+        parts = []
+        for j, tok in enumerate(kt):
+            if j not in rank:
+                parts.append(tok)
+            elif color:
+                parts.append(f"{_ANSI[min(rank[j], 2)]}{tok}{_RESET}")
+            else:
+                parts.append(f"[{tok}]")
+        line = f"{qt[i]:<{width}} | " + " ".join(parts)
+        if show_weights and order:
+            line += "   (" + ", ".join(f"{kt[j]}={w[i, j]:.{decimals}f}" for j in order) + ")"
+        lines.append(line)
+    return "\n".join(lines)
