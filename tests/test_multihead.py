@@ -27,8 +27,8 @@ def make_params(rng, E, H, Hkv=None, kdim=None, vdim=None, bias=True, dtype=np.f
     s = 1.0 / np.sqrt(E)
     p = {
         "w_query": randn(rng, (E, E), dtype, s),
-        "w_key": randn(rng, (kvE, kdim), dtype, 1.0 / np.sqrt(kdim)),
-        "w_value": randn(rng, (kvE, vdim), dtype, 1.0 / np.sqrt(vdim)),
+        "w_key": randn(rng, (kvE, kdim), dtype, 1.0 / np.sqrt(max(kdim, 1))),
+        "w_value": randn(rng, (kvE, vdim), dtype, 1.0 / np.sqrt(max(vdim, 1))),
         "w_out": randn(rng, (E_out, E), dtype, s),
     }
     if bias:
@@ -280,6 +280,29 @@ def test_single_rows_and_empty_keys(rng):
     assert w.shape == (4, 1, 0)
     out = mha(empty, kv, kv, num_heads=H, **packed(p))
     assert out.shape == (4, 0, E)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize(("kdim", "vdim"), [(0, 5), (5, 0), (0, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero_feature_keys_and_values(dtype, kdim, vdim, bias, rng):
+    """kdim = 0 / vdim = 0 are valid (NumPy's empty sums): a zero-feature key projects to
+    its bias, so every score of a query is equal; a zero-feature value projects to its
+    bias.  float32 used to return uninitialised memory (the few-row kernel refused K = 0)."""
+    E, H = 8, 2
+    p = make_params(rng, E, H, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype)
+    q = randn(rng, (3, 4, E), dtype)
+    k = randn(rng, (3, 6, kdim), dtype)
+    v = randn(rng, (3, 6, vdim), dtype)
+    out, w = mha(q, k, v, num_heads=H, return_weights=True, **p)
+    ref_out, ref_w = ref(q, k, v, p, num_heads=H, return_weights=True)
+    assert np.isfinite(out).all()
+    assert_close(out, ref_out, dtype)
+    assert_close(w, ref_w, dtype)
+    if kdim == 0:  # all-equal scores: uniform weights
+        np.testing.assert_allclose(w, 1.0 / 6, rtol=1e-6)
+    out1 = mha(q[0], k[0], v[0], num_heads=H, **p)  # unbatched, and a few rows
+    assert_close(out1, ref(q[0], k[0], v[0], p, num_heads=H), dtype)
 
 
 def test_dtype_policy(rng):
