@@ -396,6 +396,39 @@ def test_errors(change, exc, match, rng):
         mha(x, x, x, **kw)
 
 
+def test_missing_arrays_are_named(rng):
+    x, p = _good(rng)
+    with pytest.raises(TypeError, match=r"^key: expected an array, got None \(pass the query again for self-attention\)$"):
+        mha(x, None, None, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^value: expected an array, got None \(pass the query again"):
+        mha(x, x[:, :2], None, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^query: expected an array, got None$"):
+        mha(None, x, x, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^w_out: expected an array, got None$"):
+        mha(x, x, x, num_heads=2, **dict(p, w_out=None))
+
+
+def test_query_size_blamed_on_the_query(rng):
+    """A query whose E disagrees with both the input and output projections is named
+    first (it used to blame w_qkv, or num_heads' divisibility)."""
+    x, p = _good(rng)   # weights for E = 8
+    for E in (6, 7):
+        q = randn(rng, (2, 3, E), np.float32)
+        with pytest.raises(ValueError, match=rf"^query: expected embedding size E=8 \(the in_features of "
+                                             rf"w_out \(8, 8\) and w_qkv \(24, 8\)\), got E={E} "
+                                             rf"\(query of shape \(2, 3, {E}\)\)$"):
+            mha(q, q, q, num_heads=2, **p)
+    sep = {"w_query": p["w_qkv"][:8], "w_key": p["w_qkv"][8:16], "w_value": p["w_qkv"][16:],
+           "w_out": p["w_out"]}
+    q = randn(rng, (3, 6), np.float32)
+    with pytest.raises(ValueError, match=r"^query: expected embedding size E=8 .*w_query \(8, 8\)\), got E=6 "
+                                         r"\(query of shape \(3, 6\)\)$"):
+        mha(q, x[0], x[0], num_heads=2, **sep)
+    e0 = np.zeros((2, 3, 0), np.float32)
+    with pytest.raises(ValueError, match=r"^query: expected an embedding size E >= 1, got E=0"):
+        mha(e0, x, x, num_heads=2, w_qkv=np.zeros((0, 0), np.float32), w_out=np.zeros((4, 0), np.float32))
+
+
 def test_unbatched_mask_errors(rng):
     x, p = _good(rng)
     with pytest.raises(ValueError, match=r"key_mask: expected shape \(3,\) \(\(Lk,\), True = real token\), got \(2, 3\)"):
