@@ -332,13 +332,61 @@ def test_lists_are_accepted(rng):
     assert_close(out, ref(x, x, x, p, num_heads=H), np.float64)
 
 
-def test_threads_do_not_change_result(rng):
-    E, H = 32, 4
-    p = packed(make_params(rng, E, H))
-    x = randn(rng, (4, 64, E), np.float32)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_threads_do_not_change_result(dtype, rng, monkeypatch):
+    """(4, 128, 64): the QKV GEMM (12.6 MFLOP), the output GEMM and the attention are all
+    big enough to run on 2 threads (shown by the projections' block counts); every block
+    computes its outputs as one thread would, so float64 is exact and float32 within 1e-6."""
+    E, H = 64, 4
+    p = packed(make_params(rng, E, H, dtype=dtype))
+    x = randn(rng, (4, 128, E), dtype)
+    calls = []
+    real = _multihead._proj.linear
+
+    def counting(xx, w, b, y, n_threads):
+        blocks = real(xx, w, b, y, n_threads)
+        calls.append((w.shape[0], n_threads, blocks))
+        return blocks
+
+    monkeypatch.setattr(_multihead._proj, "linear", counting)
     a = mha(x, x, x, num_heads=H, n_threads=1, **p)
+    assert [c[2] for c in calls] == [1, 1]
+    calls.clear()
     b = mha(x, x, x, num_heads=H, n_threads=2, **p)
-    assert_close(a, b.astype(np.float64), np.float32)
+    assert [c[:2] for c in calls] == [(3 * E, 2), (E, 2)]   # QKV, then the output projection
+    assert all(c[2] >= 2 for c in calls), calls
+    if dtype == np.float64:
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_close(b, ref(x, x, x, {"w_query": p["w_qkv"][:E], "w_key": p["w_qkv"][E:2 * E],
+                                  "w_value": p["w_qkv"][2 * E:], "w_out": p["w_out"],
+                                  "b_query": p["b_qkv"][:E], "b_key": p["b_qkv"][E:2 * E],
+                                  "b_value": p["b_qkv"][2 * E:], "b_out": p["b_out"]},
+                        num_heads=H), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("form", ["self", "cross"])
+def test_grouped_query_unbatched(dtype, form, rng):
+    E, H, Hkv = 16, 4, 2
+    p = make_params(rng, E, H, Hkv=Hkv, kdim=None if form == "self" else 6,
+                    vdim=None if form == "self" else 10, dtype=dtype)
+    q = randn(rng, (5, E), dtype)
+    k = q if form == "self" else randn(rng, (7, 6), dtype)
+    v = q if form == "self" else randn(rng, (7, 10), dtype)
+    real = np.ones(k.shape[0], bool)
+    real[-2:] = False
+    out, w = mha(q, k, v, num_heads=H, num_kv_heads=Hkv, key_mask=real, return_weights=True,
+                 average_weights=False, **p)
+    ref_out, ref_w = ref(q, k, v, p, num_heads=H, num_kv_heads=Hkv, key_mask=real,
+                         return_weights=True, average_weights=False)
+    assert out.shape == (5, E) and w.shape == (H, 5, k.shape[0])
+    assert_close(out, ref_out, dtype)
+    assert_close(w, ref_w, dtype)
+    if form == "self":
+        pk = dict(packed(p))
+        assert_close(mha(q, q, q, num_heads=H, num_kv_heads=Hkv, key_mask=real, **pk), ref_out, dtype)
 
 
 def test_reexported():
