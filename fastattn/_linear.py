@@ -30,8 +30,14 @@ this dispatch, with another process busy on one core (two runs, min of 300)::
     f32 run 1 after   20.9   29.4   51.1  171.9  329.1
     f32 run 2 before  19.7 3990.2   64.1  244.7  631.8
     f32 run 2 after   20.6   29.7   85.4  163.9  641.6
+    f64 run 1 before  34.6  141.9  188.4  344.4 1180.5
+    f64 run 1 after   34.6  132.8  124.0  353.4 1218.8
     f64 run 2 before  33.2  134.4 11998.6 336.5 1176.1
     f64 run 2 after   33.5  133.1  123.2  343.4 1197.2
+
+(under that load 32 and 128 rows get about one core either way; the
+4 ms / 12 ms "before" entries are NumPy's threaded OpenBLAS stalling, on
+every one of the 300 calls.)
 
 So NumPy keeps the
 single-row float32 product and float64 products of up to 4 rows (dgemm packs
