@@ -216,13 +216,16 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
         w_in_shape = None if w_in is None else np.shape(w_in)
     except ValueError:  # ragged; its own check below says so
         w_in_shape = None
-    if (wo.ndim == 2 and wo.shape[1] != E and w_in_shape is not None and len(w_in_shape) == 2
-            and w_in_shape[1] == wo.shape[1]):
-        # both the input and the output projection want another E: the query is wrong
+    in_ok = w_in_shape is not None and len(w_in_shape) == 2 and w_in_shape[1] == E
+    if wo.ndim == 2 and wo.shape[1] != E and w_in is not None and not in_ok:
+        # the output projection wants another E and the input projection does not
+        # side with the query: name the query (w_out is blamed below when it does)
         w_name = "w_qkv" if w_qkv is not None else "w_query"
+        also = (f" and {w_name} {tuple(w_in_shape)}" if w_in_shape is not None and len(w_in_shape) == 2
+                and w_in_shape[1] == wo.shape[1] else "")
         raise ValueError(
             f"query: expected embedding size E={wo.shape[1]} (the in_features of w_out "
-            f"{wo.shape} and {w_name} {w_in_shape}), got E={E} (query of shape {q_shape})"
+            f"{wo.shape}{also}), got E={E} (query of shape {q_shape})"
         )
     if E < 1:
         raise ValueError(f"query: expected an embedding size E >= 1, got E={E} (query of shape {q_shape})")

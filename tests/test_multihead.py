@@ -472,6 +472,12 @@ def test_query_size_blamed_on_the_query(rng):
     with pytest.raises(ValueError, match=r"^query: expected embedding size E=8 .*w_query \(8, 8\)\), got E=6 "
                                          r"\(query of shape \(3, 6\)\)$"):
         mha(q, x[0], x[0], num_heads=2, **sep)
+    q = randn(rng, (2, 3, 6), np.float32)   # nothing agrees with the query: still named first
+    with pytest.raises(ValueError, match=r"^query: expected embedding size E=8 \(the in_features of w_out "
+                                         r"\(8, 8\)\), got E=6"):
+        mha(q, q, q, num_heads=2, **dict(p, w_qkv=np.zeros((24, 7), np.float32)))
+    with pytest.raises(ValueError, match=r"^w_out: expected shape \(E_out, E=6\), got \(8, 8\)"):
+        mha(q, q, q, num_heads=2, **dict(p, w_qkv=np.zeros((18, 6), np.float32), b_qkv=None))
     e0 = np.zeros((2, 3, 0), np.float32)
     with pytest.raises(ValueError, match=r"^query: expected an embedding size E >= 1, got E=0"):
         mha(e0, x, x, num_heads=2, w_qkv=np.zeros((0, 0), np.float32), w_out=np.zeros((4, 0), np.float32))
