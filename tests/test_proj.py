@@ -31,7 +31,7 @@ def test_runtime_is_installed():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_linear_matches_numpy(simd_mode, dtype, nb, M, N, K, bias, n_threads, rng):
-    """Both the few-row AVX2 kernel (float32, <= 32 rows a block) and the sgemm/dgemm blocks."""
+    """Both the few-row AVX2 kernel (float32, <= 128 rows a block) and the sgemm/dgemm blocks."""
     _threads.ensure_blas_hook()
     assert _proj.small_kernel_active() == (simd_mode == "simd")
     x = randn(rng, (nb, M, K), dtype)
