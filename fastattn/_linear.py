@@ -1,33 +1,89 @@
 """``linear(x, weight, bias=None)``: ``x Wᵀ + b``, the one GEMM door of the layers.
 
 The RNN input and recurrent projections, Linear and the decoder's key
-projections all come through here.  Dispatch, measured on this project's
-2-core machine with another process busy (float32, in=256, out=768, min of
-100 calls):
+projections all come through here.  Products run on the multi-head
+projection kernel (:mod:`fastattn._proj`): fastattn's worker pool with BLAS
+held at one thread per worker, few-row products split by output columns so
+that a 32-row GRU step uses both cores, and float32 blocks of up to 128 rows
+on the AVX2 few-row kernel (weights read in place, not packed).  Tiny
+products stay with NumPy's matmul where it was measured to be faster.
 
-* up to 16 rows: NumPy's matmul (OpenBLAS gemv / small gemm, single
-  threaded): 21 us at 1 row, 58-85 us at 2-16 rows, against 140-180 us for
-  the gemm-based projection kernel (sgemm packs its operands even for one row);
-* more rows: the projection kernel of the fused additive path on fastattn's
-  worker pool, BLAS held at one thread per worker: 0.25 ms at 32 rows where
-  NumPy's multi-threaded OpenBLAS took 12 ms (a descheduled BLAS thread), and
-  0.13 ms against 12 ms at 64 x 256 -> 256.
+Measured on this project's 2-core machine (float32 and float64, in=256 ->
+out=768, min of 300 calls, 2 threads, microseconds; "numpy" is
+``np.matmul(x, w.T) + b``, "fused" the fused additive path's projection that
+``linear`` used above 16 rows before, which hands out blocks of 128 rows so
+everything up to 128 rows ran on one thread, "_proj" this module's path)::
+
+    rows               1      4     16     24     32    128
+    f32 numpy       16.4   58.8   61.6   80.9   96.7  315.1
+    f32 fused          -      -      -  208.1  241.6  630.7
+    f32 _proj       19.3   22.4   40.4   59.4   83.2  311.1
+    f64 numpy       31.0  128.7  164.2  170.4  179.3  615.6
+    f64 fused          -      -      -  268.9  338.3 1149.1
+    f64 _proj       89.7  125.2  103.5  140.3  175.1  620.6
+
+(a second run: f32 1 row numpy 20.0 / _proj 20.1 us.)  linear() before -> after
+this dispatch, with another process busy on one core (two runs, min of 300)::
+
+    rows                 1      4     16     32    128
+    f32 run 1 before  24.0   66.5   78.2  245.1  635.1
+    f32 run 1 after   20.9   29.4   51.1  171.9  329.1
+    f32 run 2 before  19.7 3990.2   64.1  244.7  631.8
+    f32 run 2 after   20.6   29.7   85.4  163.9  641.6
+    f64 run 1 before  34.6  141.9  188.4  344.4 1180.5
+    f64 run 1 after   34.6  132.8  124.0  353.4 1218.8
+    f64 run 2 before  33.2  134.4 11998.6 336.5 1176.1
+    f64 run 2 after   33.5  133.1  123.2  343.4 1197.2
+
+(under that load 32 and 128 rows get about one core either way; the
+4 ms / 12 ms "before" entries are NumPy's threaded OpenBLAS stalling, on
+every one of the 300 calls.)
+
+So NumPy keeps the
+single-row float32 product and float64 products of up to 4 rows (dgemm packs
+its operands; there is no float64 few-row kernel); without the AVX2 kernel
+(``FASTATTN_DISABLE_SIMD`` or another CPU) float32 keeps NumPy up to 16 rows,
+as before (sgemm-based blocks were 140-180 us there).  NumPy's own threaded
+OpenBLAS is also what stalled 12 ms per 32-row GEMM while another process
+held a core; fastattn's pool hands out blocks dynamically instead.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _threads
-from ._attention import _FEW_ROWS, _ensure_blas_hook, _project
-from ._validation import check_float_kind
+from . import _proj, _threads
+from ._validation import BLAS_INT_MAX, canonical_matrix_stack, check_float_kind
 
-#: rows up to which NumPy's matmul is used (see the module docstring)
-NUMPY_MAX_ROWS = _FEW_ROWS
+#: rows up to which NumPy's matmul is used, by case (see the module docstring)
+NUMPY_MAX_ROWS_F32 = 1        # float32 with the AVX2 few-row kernel
+NUMPY_MAX_ROWS_F32_BLAS = 16  # float32 without it (sgemm blocks)
+NUMPY_MAX_ROWS_F64 = 4
+#: kept for callers of the previous name: the float32 limit without the AVX2 kernel
+NUMPY_MAX_ROWS = NUMPY_MAX_ROWS_F32_BLAS
 
 __all__ = ["linear"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
+_runtime_done = False
+
+
+def _ensure_runtime():
+    """_proj on fastattn's pool and BLAS hold (installed when _multihead is imported)."""
+    global _runtime_done
+    if not _runtime_done:
+        from . import _multihead  # noqa: F401  (hands _proj the pool at import)
+
+        _threads.ensure_blas_hook()
+        _runtime_done = True
+
+
+def numpy_max_rows(dtype) -> int:
+    """The largest row count that ``linear`` gives to NumPy's matmul for ``dtype``."""
+    if np.dtype(dtype) == _F64:
+        return NUMPY_MAX_ROWS_F64
+    _ensure_runtime()
+    return NUMPY_MAX_ROWS_F32 if _proj.small_kernel_active() else NUMPY_MAX_ROWS_F32_BLAS
 
 
 def linear(x, weight, bias=None, *, n_threads=None):
@@ -37,7 +93,7 @@ def linear(x, weight, bias=None, *, n_threads=None):
     bias : (out_features,) or None.  float32 when every argument is float32,
     float64 otherwise.  Returns a new array (..., out_features); inputs are
     never modified.  ``n_threads``: fastattn's thread count for products of
-    more than ``NUMPY_MAX_ROWS`` rows (default: :func:`fastattn.get_num_threads`).
+    more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
     """
     x = x if isinstance(x, np.ndarray) else np.asarray(x)
     w = weight if isinstance(weight, np.ndarray) else np.asarray(weight)
@@ -56,15 +112,18 @@ def linear(x, weight, bias=None, *, n_threads=None):
         b = np.ascontiguousarray(b, dtype=cdt)
     else:
         b = None
+    nt = _threads.resolve(n_threads)
     xc = x.astype(cdt, copy=False)
     wc = w.astype(cdt, copy=False)
-    rows = xc.size // xc.shape[-1] if xc.shape[-1] else 0
-    if rows <= NUMPY_MAX_ROWS or xc.shape[-1] == 0 or wc.shape[0] == 0:
+    K, N = wc.shape[1], wc.shape[0]
+    rows = xc.size // K if K else int(np.prod(xc.shape[:-1]))
+    if rows <= numpy_max_rows(cdt) or K == 0 or N == 0 or max(rows, K, N) > BLAS_INT_MAX:
         y = np.matmul(xc, wc.T)
         if b is not None:
             y += b
         return y
-    if wc.strides[-1] != wc.itemsize:
-        wc = np.ascontiguousarray(wc)
-    _ensure_blas_hook()
-    return _project(xc, wc, b, cdt, _threads.resolve(n_threads), pad=False)
+    _ensure_runtime()
+    x3 = canonical_matrix_stack(xc.reshape(1, rows, K), cdt)  # a view for C-ordered x
+    y = np.empty((1, rows, N), dtype=cdt)
+    _proj.linear(x3, canonical_matrix_stack(wc, cdt), b, y, nt)
+    return y.reshape(x.shape[:-1] + (N,))

@@ -95,7 +95,9 @@ def _check_bool(x, name: str) -> bool:
     return bool(x)
 
 
-def _float_array(x, name: str) -> np.ndarray:
+def _float_array(x, name: str, hint: str = "") -> np.ndarray:
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None{hint}")
     a = as_array(x, name)
     check_float_kind(a, name)
     return a
@@ -178,9 +180,10 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
 
     self_attention = query is key and key is value
     kv_shared = key is value
+    again = " (pass the query again for self-attention)"
     q = _float_array(query, "query")
-    k = q if query is key else _float_array(key, "key")
-    v = k if kv_shared else _float_array(value, "value")
+    k = q if query is key else _float_array(key, "key", again)
+    v = k if kv_shared else _float_array(value, "value", again)
     if q.ndim not in (2, 3):
         raise ValueError(
             "query: expected a (B, Lq, E) batch or an unbatched (Lq, E) array, "
@@ -206,10 +209,30 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
         raise ValueError(
             f"value: expected {Lk} rows (key's length Lk), got value of shape {v.shape[-2:]}"
         )
-    if E < 1 or E % H:
+    q_shape = q.shape if batched else q.shape[1:]
+    wo = _float_array(w_out, "w_out")
+    w_in = w_qkv if w_qkv is not None else w_query
+    try:
+        w_in_shape = None if w_in is None else np.shape(w_in)
+    except ValueError:  # ragged; its own check below says so
+        w_in_shape = None
+    in_ok = w_in_shape is not None and len(w_in_shape) == 2 and w_in_shape[1] == E
+    if wo.ndim == 2 and wo.shape[1] != E and w_in is not None and not in_ok:
+        # the output projection wants another E and the input projection does not
+        # side with the query: name the query (w_out is blamed below when it does)
+        w_name = "w_qkv" if w_qkv is not None else "w_query"
+        also = (f" and {w_name} {tuple(w_in_shape)}" if w_in_shape is not None and len(w_in_shape) == 2
+                and w_in_shape[1] == wo.shape[1] else "")
+        raise ValueError(
+            f"query: expected embedding size E={wo.shape[1]} (the in_features of w_out "
+            f"{wo.shape}{also}), got E={E} (query of shape {q_shape})"
+        )
+    if E < 1:
+        raise ValueError(f"query: expected an embedding size E >= 1, got E={E} (query of shape {q_shape})")
+    if E % H:
         raise ValueError(
             f"query: expected an embedding size E divisible by num_heads={H}, got E={E} "
-            f"(query of shape {q.shape if batched else q.shape[1:]})"
+            f"(query of shape {q_shape})"
         )
     dh = E // H
     kvE = Hkv * dh
@@ -257,7 +280,6 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
         bq = _check_bias(b_query, "b_query", E, "E")
         bk = _check_bias(b_key, "b_key", kvE, "num_kv_heads * head_dim")
         bv = _check_bias(b_value, "b_value", kvE, "num_kv_heads * head_dim")
-    wo = _float_array(w_out, "w_out")
     if wo.ndim != 2 or wo.shape[1] != E or wo.shape[0] < 1:
         raise ValueError(f"w_out: expected shape (E_out, E={E}), got {wo.shape}")
     E_out = wo.shape[0]

@@ -39,6 +39,20 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                           const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
 
+cdef extern from *:
+    """
+    /* a task's status, written by any worker of the pool (one int, relaxed) */
+    static inline void fa_proj_store_status(int *p, int v)
+    {
+    #if defined(__GNUC__) || defined(__clang__)
+        __atomic_store_n(p, v, __ATOMIC_RELAXED);
+    #else
+        *p = v;
+    #endif
+    }
+    """
+    void fa_proj_store_status(int *p, int v) noexcept nogil
+
 ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
 ctypedef int (*stop_fn)(void *ctx) noexcept nogil
 ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
@@ -97,6 +111,7 @@ ctypedef struct lin_ctx:
     int cb, nbc               # column block size, column blocks
     int64_t item
     int small                 # use fa_proj_small_f32
+    int status                # first non-zero status of fa_proj_small_f32 (0: all ran)
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
@@ -162,10 +177,13 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *x = c.x + (i * c.xbs + <int64_t>r0 * c.ldx) * it
     cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
+    cdef int rc
     if c.small:
-        fa_proj_small_f32(m, n, c.K, <float *>x, c.ldx, <float *>w, c.ldw,
-                          <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
-                          <float *>y, c.ldy)
+        rc = fa_proj_small_f32(m, n, c.K, <float *>x, c.ldx, <float *>w, c.ldw,
+                               <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                               <float *>y, c.ldy)
+        if rc != 0:  # recorded for linear() to raise; the block is left unwritten
+            fa_proj_store_status(&c.status, rc)
         return
     if c.b != NULL:
         beta_f = 1
@@ -186,10 +204,25 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     x: (nb, M, K), w: (N, K), b: (N,) or None, y: (nb, M, N); one float dtype
     (float32 or float64); last axes contiguous, row strides positive and at
     least a row long (a single row may have any stride), batch strides
-    anything; y does not overlap x, w or b; nb, M, N, K >= 1, nb * M, N, K and
-    the strides within the BLAS 32-bit range.  Returns the number of blocks.
+    anything; y does not overlap x, w or b; nb * M, N, K and the strides
+    within the BLAS 32-bit range.  Returns the number of blocks (0 when
+    nothing was multiplied).
+
+    Empty sizes: nothing to write when nb, M or N is 0; when K is 0 the product
+    is a sum of no terms, so ``y`` is set to ``b`` (zeros without a bias)
+    before any kernel runs (the few-row kernel refuses K = 0 and BLAS would be
+    handed a leading dimension of 0).  A non-zero status from the few-row
+    kernel raises RuntimeError (it means the checks above missed a case).
     """
     cdef lin_ctx c
+    if cnp.PyArray_DIMS(x)[0] == 0 or cnp.PyArray_DIMS(x)[1] == 0 or cnp.PyArray_DIMS(w)[0] == 0:
+        return 0
+    if cnp.PyArray_DIMS(x)[2] == 0:
+        if b is None:
+            y[...] = 0
+        else:
+            y[...] = b
+        return 0
     cdef int nb = <int>cnp.PyArray_DIMS(x)[0]
     cdef int M = <int>cnp.PyArray_DIMS(x)[1]
     cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
@@ -246,18 +279,22 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     ntasks = <int64_t>nb * c.nbm * c.nbc
     c.small = (c.f32 and c.mb <= g_small_m and g_simd_active != NULL and g_simd_active() != 0
                and fa_proj_small_available() != 0)
+    c.status = 0
     cdef int64_t t
     if g_pool_run == NULL:
         with nogil:
             for t in range(ntasks):
                 _task(&c, t, 0)
-        return ntasks
-    with nogil:
-        hook = g_hold_enter()
-        if nt > 1 and ntasks > 1:
-            g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, NULL, NULL)
-        else:
-            for t in range(ntasks):
-                _task(&c, t, 0)
-        g_hold_exit(hook)
+    else:
+        with nogil:
+            hook = g_hold_enter()
+            if nt > 1 and ntasks > 1:
+                g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, NULL, NULL)
+            else:
+                for t in range(ntasks):
+                    _task(&c, t, 0)
+            g_hold_exit(hook)
+    if c.status != 0:
+        raise RuntimeError(f"fastattn._proj: the few-row kernel rejected its arguments "
+                           f"(status {c.status}; M={c.M}, N={c.N}, K={c.K})")
     return ntasks

@@ -80,7 +80,8 @@ def test_seeded_init_like_torch():
     ({"embed_dim": 8, "num_heads": 4, "num_kv_heads": 3}, ValueError,
      r"num_kv_heads: expected a divisor of num_heads=4, got 3"),
     ({"embed_dim": 8, "num_heads": 2.5}, TypeError, r"num_heads: expected a positive integer, got float 2.5"),
-    ({"embed_dim": 8, "num_heads": 2, "kdim": -1}, ValueError, r"kdim: expected a positive integer, got -1"),
+    ({"embed_dim": 8, "num_heads": 2, "kdim": -1}, ValueError, r"kdim: expected an integer >= 0, got -1"),
+    ({"embed_dim": 8, "num_heads": 2, "vdim": 1.0}, TypeError, r"vdim: expected an integer >= 0, got float 1.0"),
     ({"embed_dim": 8, "num_heads": 2, "bias": 1}, TypeError, r"bias: expected a bool, got int 1"),
     ({"embed_dim": 8, "num_heads": 2, "dtype": np.float16}, TypeError,
      r"dtype: expected float32 or float64, got float16"),
@@ -124,6 +125,56 @@ def test_layer_equals_functional_and_oracle(dtype, layout, rng):
     r_out, r_w = oracle_of(m, x, k, v, key_mask=km, return_weights=True)
     assert_close(out, r_out, dtype)
     assert_close(w, r_w, dtype)
+
+
+@pytest.mark.parametrize(("kdim", "vdim"), [(0, 6), (6, 0), (0, 0)])
+def test_zero_feature_keys_and_values(kdim, vdim, rng):
+    """kdim / vdim = 0 are valid sizes (as in the functional): the projections are their biases."""
+    m = randomise(MultiHeadAttention(8, 2, kdim=kdim, vdim=vdim), rng)
+    assert m.params["k_proj_weight"].shape == (8, kdim)
+    q = randn(rng, (2, 3, 8), np.float32)
+    k = randn(rng, (2, 5, kdim), np.float32)
+    v = randn(rng, (2, 5, vdim), np.float32)
+    assert_close(m(q, k, v), oracle_of(m, q, k, v), np.float32)
+
+
+def test_input_sizes_are_checked_against_the_layer(rng):
+    """A wrong feature size names the input (it used to blame w_qkv, which the user never passed)."""
+    m = MultiHeadAttention(8, 2)
+    for E in (6, 7):
+        with pytest.raises(ValueError, match=rf"^query: expected last dim embed_dim=8 \(this layer's\), "
+                                             rf"got shape \(2, 3, {E}\)$"):
+            m(np.ones((2, 3, E), np.float32))
+    x = np.ones((2, 3, 8), np.float32)
+    with pytest.raises(ValueError, match=r"^key: expected last dim kdim=8 \(this layer's\), got shape \(2, 3, 5\)$"):
+        m(x, np.ones((2, 3, 5), np.float32), x)
+    with pytest.raises(ValueError, match=r"^value: expected last dim vdim=8 .*got shape \(2, 3, 5\) \(value defaults to the key\)$"):
+        MultiHeadAttention(8, 2, kdim=5)(x, np.ones((2, 3, 5), np.float32))
+    with pytest.raises(ValueError, match=r"^key: expected last dim kdim=4 .*got shape \(3, 8\) \(key defaults to the query\)$"):
+        MultiHeadAttention(8, 2, kdim=4, vdim=4)(x[0])
+    with pytest.raises(ValueError, match=r"^query: expected last dim embed_dim=8 .*got shape \(2, 6\)$"):
+        m([[0.0] * 6] * 2)   # lists are checked without a conversion here
+
+
+@pytest.mark.parametrize("layout", ["packed", "gqa"])
+def test_causal_alignment_bottom_right(layout, rng):
+    """Decoding with a cache: the last Lq queries of a causal sequence see every earlier key."""
+    kw = {"num_kv_heads": 2} if layout == "gqa" else {}
+    m = randomise(MultiHeadAttention(16, 4, **kw), rng)
+    q = randn(rng, (2, 3, 16), np.float32)
+    kv = randn(rng, (2, 7, 16), np.float32)
+    out, w = m(q, kv, kv, is_causal=True, causal_alignment="bottom_right", return_weights=True)
+    ref = oracle_of(m, q, kv, kv, is_causal=True, causal_alignment="bottom_right")
+    assert_close(out, ref, np.float32)
+    assert (w[:, 0, 5:] == 0).all() and (w[:, 0, :5] > 0).all()   # query 0 sees keys 0..4
+    assert (w[:, 2] > 0).all()
+    top = m(q, kv, kv, is_causal=True)
+    assert_close(top, oracle_of(m, q, kv, kv, is_causal=True), np.float32)
+    assert not np.allclose(top, out)
+    with pytest.raises(ValueError, match=r"causal_alignment: expected 'top_left' or 'bottom_right', got 'right'"):
+        m(q, kv, kv, is_causal=True, causal_alignment="right")
+    with pytest.raises(TypeError, match=r"takes from 2 to 4 positional arguments"):
+        m(q, kv, kv, None)
 
 
 def test_self_attention_defaults_and_unbatched(rng):
@@ -292,6 +343,43 @@ def test_from_torch_errors():
         MultiHeadAttention.from_torch(dict(sd, in_proj_weight=torch.zeros(20, 8)), num_heads=2)
 
 
+def test_from_torch_argument_checks():
+    torch = pytest.importorskip("torch")
+    mod = torch.nn.MultiheadAttention(8, 2)
+    with pytest.raises(TypeError, match=r"^num_heads: expected a positive integer, got str '2'$"):
+        MultiHeadAttention.from_torch(mod, num_heads="2")
+    with pytest.raises(TypeError, match=r"^num_heads: expected a positive integer, got str '2'$"):
+        MultiHeadAttention.from_torch(mod.state_dict(), num_heads="2")
+    assert MultiHeadAttention.from_torch(mod, num_heads=np.int64(2)).num_heads == 2
+    sd = mod.state_dict()
+    with pytest.raises(ValueError, match=r"^state_dict\['in_proj_weight'\]: expected a 2-D .* got shape \(\)$"):
+        MultiHeadAttention.from_torch(dict(sd, in_proj_weight=torch.tensor(1.0)), num_heads=2)
+    for name in ("in_proj_weight", "in_proj_bias", "out_proj.bias"):
+        for bad in (sd[name].to(torch.int32), sd[name] > 0):
+            with pytest.raises(TypeError, match=rf"^state_dict\[{name!r}\]: expected a real floating-point "
+                                                rf"tensor, got dtype torch\.(int32|bool)$"):
+                MultiHeadAttention.from_torch(dict(sd, **{name: bad}), num_heads=2)
+    arr = {k: v.numpy() for k, v in sd.items()}
+    with pytest.raises(TypeError, match=r"^state_dict\['out_proj.weight'\]: expected a real floating-point "
+                                        r"array, got dtype int64$"):
+        MultiHeadAttention.from_torch(dict(arr, **{"out_proj.weight": np.ones((8, 8), np.int64)}), num_heads=2)
+    with pytest.raises(TypeError, match=r"^state_dict\['out_proj.bias'\]: expected a real floating-point array, got dtype bool$"):
+        MultiHeadAttention(8, 2).load_state_dict(dict(arr, **{"out_proj.bias": np.ones(8, bool)}))
+
+
+@pytest.mark.parametrize("tdtype", ["bfloat16", "float16"])
+def test_from_torch_low_precision_module(tdtype, rng):
+    """bfloat16 (which NumPy cannot hold) and float16 modules load through .float()."""
+    torch = pytest.importorskip("torch")
+    tm = _torch_module(torch, 16, 2, batch_first=True).to(getattr(torch, tdtype))
+    m = MultiHeadAttention.from_torch(tm)
+    assert m.dtype == np.float32
+    for k, v in tm.state_dict().items():
+        np.testing.assert_array_equal(m.params[k], v.float().numpy())
+    x = randn(rng, (2, 5, 16), np.float32)
+    assert_close(m(x), oracle_of(m, x, x, x), np.float32)
+
+
 def test_from_torch_state_dict_errors(rng):
     E = 8
     sd = {"out_proj.weight": randn(rng, (E, E)), "q_proj_weight": randn(rng, (E, E))}
@@ -409,6 +497,27 @@ def test_from_bert_errors(rng):
         MultiHeadAttention.from_bert(flat, num_heads=2, prefix=p)
     with pytest.raises(TypeError, match=r"state_dict: expected a mapping of names to arrays, got list"):
         MultiHeadAttention.from_bert([], num_heads=2)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_from_bert_refuses_relative_positions(own, rng):
+    """position_embedding_type='relative_key(_query)' adds a distance embedding to the scores;
+    loading only query/key/value silently gave wrong results."""
+    p = "bert.encoder.layer.0."
+    sd = _bert_state_dict(rng, 8, p)
+    sd[p + "attention.self.distance_embedding.weight"] = np.zeros((1023, 4), np.float32)
+    if own:  # a BertAttention's own names
+        sd = {k[len(p + "attention."):]: v for k, v in sd.items()}
+        p = ""
+    key = ("" if own else "bert.encoder.layer.0.attention.") + "self.distance_embedding.weight"
+    with pytest.raises(ValueError, match=rf"^state_dict: unsupported key\(s\) {re.escape(repr(key))}: only "
+                                         r"BERT's absolute position embeddings are supported "
+                                         r"\(position_embedding_type='absolute'\)"):
+        MultiHeadAttention.from_bert(sd, num_heads=2, prefix=p)
+    # other layers' keys elsewhere in the mapping are not this block's business
+    other = _bert_state_dict(rng, 8, "bert.encoder.layer.0.")
+    other["bert.encoder.layer.1.attention.self.distance_embedding.weight"] = np.zeros((3, 4), np.float32)
+    assert MultiHeadAttention.from_bert(other, num_heads=2, prefix="bert.encoder.layer.0.").bias
 
 
 # --------------------------------------------------------------------------

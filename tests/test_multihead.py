@@ -27,8 +27,8 @@ def make_params(rng, E, H, Hkv=None, kdim=None, vdim=None, bias=True, dtype=np.f
     s = 1.0 / np.sqrt(E)
     p = {
         "w_query": randn(rng, (E, E), dtype, s),
-        "w_key": randn(rng, (kvE, kdim), dtype, 1.0 / np.sqrt(kdim)),
-        "w_value": randn(rng, (kvE, vdim), dtype, 1.0 / np.sqrt(vdim)),
+        "w_key": randn(rng, (kvE, kdim), dtype, 1.0 / np.sqrt(max(kdim, 1))),
+        "w_value": randn(rng, (kvE, vdim), dtype, 1.0 / np.sqrt(max(vdim, 1))),
         "w_out": randn(rng, (E_out, E), dtype, s),
     }
     if bias:
@@ -282,6 +282,29 @@ def test_single_rows_and_empty_keys(rng):
     assert out.shape == (4, 0, E)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize(("kdim", "vdim"), [(0, 5), (5, 0), (0, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_zero_feature_keys_and_values(dtype, kdim, vdim, bias, rng):
+    """kdim = 0 / vdim = 0 are valid (NumPy's empty sums): a zero-feature key projects to
+    its bias, so every score of a query is equal; a zero-feature value projects to its
+    bias.  float32 used to return uninitialised memory (the few-row kernel refused K = 0)."""
+    E, H = 8, 2
+    p = make_params(rng, E, H, kdim=kdim, vdim=vdim, bias=bias, dtype=dtype)
+    q = randn(rng, (3, 4, E), dtype)
+    k = randn(rng, (3, 6, kdim), dtype)
+    v = randn(rng, (3, 6, vdim), dtype)
+    out, w = mha(q, k, v, num_heads=H, return_weights=True, **p)
+    ref_out, ref_w = ref(q, k, v, p, num_heads=H, return_weights=True)
+    assert np.isfinite(out).all()
+    assert_close(out, ref_out, dtype)
+    assert_close(w, ref_w, dtype)
+    if kdim == 0:  # all-equal scores: uniform weights
+        np.testing.assert_allclose(w, 1.0 / 6, rtol=1e-6)
+    out1 = mha(q[0], k[0], v[0], num_heads=H, **p)  # unbatched, and a few rows
+    assert_close(out1, ref(q[0], k[0], v[0], p, num_heads=H), dtype)
+
+
 def test_dtype_policy(rng):
     E, H = 8, 2
     p32 = packed(make_params(rng, E, H, dtype=np.float32))
@@ -309,13 +332,61 @@ def test_lists_are_accepted(rng):
     assert_close(out, ref(x, x, x, p, num_heads=H), np.float64)
 
 
-def test_threads_do_not_change_result(rng):
-    E, H = 32, 4
-    p = packed(make_params(rng, E, H))
-    x = randn(rng, (4, 64, E), np.float32)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_threads_do_not_change_result(dtype, rng, monkeypatch):
+    """(4, 128, 64): the QKV GEMM (12.6 MFLOP), the output GEMM and the attention are all
+    big enough to run on 2 threads (shown by the projections' block counts); every block
+    computes its outputs as one thread would, so float64 is exact and float32 within 1e-6."""
+    E, H = 64, 4
+    p = packed(make_params(rng, E, H, dtype=dtype))
+    x = randn(rng, (4, 128, E), dtype)
+    calls = []
+    real = _multihead._proj.linear
+
+    def counting(xx, w, b, y, n_threads):
+        blocks = real(xx, w, b, y, n_threads)
+        calls.append((w.shape[0], n_threads, blocks))
+        return blocks
+
+    monkeypatch.setattr(_multihead._proj, "linear", counting)
     a = mha(x, x, x, num_heads=H, n_threads=1, **p)
+    assert [c[2] for c in calls] == [1, 1]
+    calls.clear()
     b = mha(x, x, x, num_heads=H, n_threads=2, **p)
-    assert_close(a, b.astype(np.float64), np.float32)
+    assert [c[:2] for c in calls] == [(3 * E, 2), (E, 2)]   # QKV, then the output projection
+    assert all(c[2] >= 2 for c in calls), calls
+    if dtype == np.float64:
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_close(b, ref(x, x, x, {"w_query": p["w_qkv"][:E], "w_key": p["w_qkv"][E:2 * E],
+                                  "w_value": p["w_qkv"][2 * E:], "w_out": p["w_out"],
+                                  "b_query": p["b_qkv"][:E], "b_key": p["b_qkv"][E:2 * E],
+                                  "b_value": p["b_qkv"][2 * E:], "b_out": p["b_out"]},
+                        num_heads=H), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("form", ["self", "cross"])
+def test_grouped_query_unbatched(dtype, form, rng):
+    E, H, Hkv = 16, 4, 2
+    p = make_params(rng, E, H, Hkv=Hkv, kdim=None if form == "self" else 6,
+                    vdim=None if form == "self" else 10, dtype=dtype)
+    q = randn(rng, (5, E), dtype)
+    k = q if form == "self" else randn(rng, (7, 6), dtype)
+    v = q if form == "self" else randn(rng, (7, 10), dtype)
+    real = np.ones(k.shape[0], bool)
+    real[-2:] = False
+    out, w = mha(q, k, v, num_heads=H, num_kv_heads=Hkv, key_mask=real, return_weights=True,
+                 average_weights=False, **p)
+    ref_out, ref_w = ref(q, k, v, p, num_heads=H, num_kv_heads=Hkv, key_mask=real,
+                         return_weights=True, average_weights=False)
+    assert out.shape == (5, E) and w.shape == (H, 5, k.shape[0])
+    assert_close(out, ref_out, dtype)
+    assert_close(w, ref_w, dtype)
+    if form == "self":
+        pk = dict(packed(p))
+        assert_close(mha(q, q, q, num_heads=H, num_kv_heads=Hkv, key_mask=real, **pk), ref_out, dtype)
 
 
 def test_reexported():
@@ -371,6 +442,45 @@ def test_errors(change, exc, match, rng):
     kw.update(change)
     with pytest.raises(exc, match=match):
         mha(x, x, x, **kw)
+
+
+def test_missing_arrays_are_named(rng):
+    x, p = _good(rng)
+    with pytest.raises(TypeError, match=r"^key: expected an array, got None \(pass the query again for self-attention\)$"):
+        mha(x, None, None, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^value: expected an array, got None \(pass the query again"):
+        mha(x, x[:, :2], None, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^query: expected an array, got None$"):
+        mha(None, x, x, num_heads=2, **p)
+    with pytest.raises(TypeError, match=r"^w_out: expected an array, got None$"):
+        mha(x, x, x, num_heads=2, **dict(p, w_out=None))
+
+
+def test_query_size_blamed_on_the_query(rng):
+    """A query whose E disagrees with both the input and output projections is named
+    first (it used to blame w_qkv, or num_heads' divisibility)."""
+    x, p = _good(rng)   # weights for E = 8
+    for E in (6, 7):
+        q = randn(rng, (2, 3, E), np.float32)
+        with pytest.raises(ValueError, match=rf"^query: expected embedding size E=8 \(the in_features of "
+                                             rf"w_out \(8, 8\) and w_qkv \(24, 8\)\), got E={E} "
+                                             rf"\(query of shape \(2, 3, {E}\)\)$"):
+            mha(q, q, q, num_heads=2, **p)
+    sep = {"w_query": p["w_qkv"][:8], "w_key": p["w_qkv"][8:16], "w_value": p["w_qkv"][16:],
+           "w_out": p["w_out"]}
+    q = randn(rng, (3, 6), np.float32)
+    with pytest.raises(ValueError, match=r"^query: expected embedding size E=8 .*w_query \(8, 8\)\), got E=6 "
+                                         r"\(query of shape \(3, 6\)\)$"):
+        mha(q, x[0], x[0], num_heads=2, **sep)
+    q = randn(rng, (2, 3, 6), np.float32)   # nothing agrees with the query: still named first
+    with pytest.raises(ValueError, match=r"^query: expected embedding size E=8 \(the in_features of w_out "
+                                         r"\(8, 8\)\), got E=6"):
+        mha(q, q, q, num_heads=2, **dict(p, w_qkv=np.zeros((24, 7), np.float32)))
+    with pytest.raises(ValueError, match=r"^w_out: expected shape \(E_out, E=6\), got \(8, 8\)"):
+        mha(q, q, q, num_heads=2, **dict(p, w_qkv=np.zeros((18, 6), np.float32), b_qkv=None))
+    e0 = np.zeros((2, 3, 0), np.float32)
+    with pytest.raises(ValueError, match=r"^query: expected an embedding size E >= 1, got E=0"):
+        mha(e0, x, x, num_heads=2, w_qkv=np.zeros((0, 0), np.float32), w_out=np.zeros((4, 0), np.float32))
 
 
 def test_unbatched_mask_errors(rng):

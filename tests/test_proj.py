@@ -31,7 +31,7 @@ def test_runtime_is_installed():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_linear_matches_numpy(simd_mode, dtype, nb, M, N, K, bias, n_threads, rng):
-    """Both the few-row AVX2 kernel (float32, <= 32 rows a block) and the sgemm/dgemm blocks."""
+    """Both the few-row AVX2 kernel (float32, <= 128 rows a block) and the sgemm/dgemm blocks."""
     _threads.ensure_blas_hook()
     assert _proj.small_kernel_active() == (simd_mode == "simd")
     x = randn(rng, (nb, M, K), dtype)
@@ -144,3 +144,27 @@ def test_concurrent_calls_share_one_blas_counter(rng):
 def test_install_runtime_is_idempotent():
     assert _multihead._install_runtime() is True
     assert _proj.runtime_installed()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("M", [1, 5, 200])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_zero_depth_gives_bias(simd_mode, dtype, M, bias, rng):
+    """K = 0: a sum of no terms, so y = b (zeros without a bias) on every path (the
+    few-row kernel refuses K = 0; it used to leave the output unwritten)."""
+    _threads.ensure_blas_hook()
+    x = np.zeros((2, M, 0), dtype)
+    w = np.zeros((16, 0), dtype)
+    b = randn(rng, (16,), dtype) if bias else None
+    y, blocks = _linear(x, w, b, 2)
+    assert blocks == 0
+    np.testing.assert_array_equal(y, np.broadcast_to(b if bias else np.zeros(16, dtype), y.shape))
+
+
+def test_linear_empty_rows_or_columns_write_nothing(rng):
+    x = randn(rng, (1, 0, 8), np.float32)
+    y, blocks = _linear(x, randn(rng, (4, 8), np.float32), None, 2)
+    assert blocks == 0 and y.shape == (1, 0, 4)
+    x = randn(rng, (1, 3, 8), np.float32)
+    y, blocks = _linear(x, np.zeros((0, 8), np.float32), None, 2)
+    assert blocks == 0 and y.shape == (1, 3, 0)

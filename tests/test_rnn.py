@@ -275,3 +275,48 @@ def test_functional_linear(rng):
         linear(x, w, b[:4])
     with pytest.raises(TypeError, match="x: complex dtypes are not supported"):
         linear(x.astype(complex), w)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 32, 128, 130])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_functional_linear_dispatch_matches_reference(simd_mode, dtype, rows, n_threads, rng, monkeypatch):
+    """Every dispatch of linear() (NumPy for the tiniest products, the projection kernel
+    otherwise) against float64; a 32-row product (a GRU step at B=32) is split across
+    both threads (the fused path's 128-row blocks ran it on one)."""
+    from fastattn import _linear
+    from fastattn.functional import linear
+    blocks = []
+    real = _linear._proj.linear
+
+    def counting(*a):
+        blocks.append(real(*a))
+        return blocks[-1]
+
+    monkeypatch.setattr(_linear._proj, "linear", counting)
+    x = rng.standard_normal((rows, 256)).astype(dtype)
+    w = rng.standard_normal((768, 256)).astype(dtype) * 0.1
+    b = rng.standard_normal(768).astype(dtype)
+    xb, wb = x.copy(), w.copy()
+    y = linear(x, w, b, n_threads=n_threads)
+    assert y.dtype == dtype and y.shape == (rows, 768)
+    assert_close(y, x.astype(np.float64) @ w.T.astype(np.float64) + b, dtype)
+    np.testing.assert_array_equal(x, xb)
+    np.testing.assert_array_equal(w, wb)
+    used = rows > _linear.numpy_max_rows(dtype)
+    assert bool(blocks) == used
+    if used and n_threads == 2 and rows >= 16:  # below ~2 MFLOP one thread runs it alone
+        assert blocks[0] >= 2
+    # leading dims and a non-contiguous x
+    x3 = rng.standard_normal((2, rows, 300)).astype(dtype)[:, :, 10:266]
+    assert_close(linear(x3, w, b, n_threads=n_threads),
+                 x3.astype(np.float64) @ w.T.astype(np.float64) + b, dtype)
+
+
+def test_functional_linear_few_row_kernel_for_float32():
+    """With the AVX2 kernel, float32 products of more than one row go to it (measured faster
+    than NumPy's matmul from 2 rows up, see fastattn/_linear.py); float64 keeps NumPy to 4."""
+    from fastattn import _linear, _proj
+    assert _linear.numpy_max_rows(np.float64) == 4
+    want = 1 if _proj.small_kernel_active() else 16
+    assert _linear.numpy_max_rows(np.float32) == want

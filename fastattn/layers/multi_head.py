@@ -32,16 +32,25 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _CONFIG_KEYS = ("embed_dim", "num_heads", "kdim", "vdim", "bias", "num_kv_heads", "dtype")
 
 
-def _check_int(n, name):
+def _check_int(n, name, minimum=1):
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
     if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a positive integer, got bool {n!r}")
+        raise TypeError(f"{name}: expected {what}, got bool {n!r}")
     try:
         n = operator.index(n)
     except TypeError:
-        raise TypeError(f"{name}: expected a positive integer, got {type(n).__name__} {n!r}") from None
-    if n < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {n}")
+        raise TypeError(f"{name}: expected {what}, got {type(n).__name__} {n!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name}: expected {what}, got {n}")
     return n
+
+
+def _shape(x):
+    """The shape of an array-like without converting it (None when it has none)."""
+    try:
+        return tuple(np.shape(x))
+    except (ValueError, TypeError):  # ragged: the functional's checks report it
+        return None
 
 
 def _check_dtype(dtype):
@@ -55,16 +64,23 @@ def _check_dtype(dtype):
 
 
 def _to_numpy(value, name):
-    """A NumPy array from an array-like or a torch tensor (duck-typed: torch is not imported)."""
+    """A floating-point NumPy array from an array-like or a torch tensor (duck-typed:
+    torch is not imported).  Tensors that NumPy cannot hold (bfloat16) come through
+    ``.float()`` (float32; float64 tensors stay float64).  Bool and integer weights
+    are refused: a weight of that dtype is a mistake, not a number to cast."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu()
-        if hasattr(value, "numpy"):
-            value = value.numpy()
+        t = value.detach().cpu()
+        is_float = getattr(t, "is_floating_point", None)
+        if is_float is not None and not is_float():
+            raise TypeError(f"{name}: expected a real floating-point tensor, got dtype {t.dtype}")
+        if is_float is not None and str(t.dtype) not in ("torch.float32", "torch.float64"):
+            t = t.float()
+        value = t.numpy() if hasattr(t, "numpy") else t
     try:
         a = np.asarray(value)
     except Exception as exc:
         raise TypeError(f"{name}: expected an array or tensor, got {type(value).__name__} ({exc})") from None
-    if a.dtype.kind not in "fiu":
+    if a.dtype.kind != "f":
         raise TypeError(f"{name}: expected a real floating-point array, got dtype {a.dtype}")
     return a
 
@@ -115,8 +131,10 @@ class MultiHeadAttention:
         self.embed_dim = E
         self.num_heads = H
         self.num_kv_heads = Hkv
-        self.kdim = E if kdim is None else _check_int(kdim, "kdim")
-        self.vdim = E if vdim is None else _check_int(vdim, "vdim")
+        # zero-feature keys / values are valid (NumPy's convention for empty sums:
+        # the projection is its bias, all scores of a zero-feature key are equal)
+        self.kdim = E if kdim is None else _check_int(kdim, "kdim", 0)
+        self.vdim = E if vdim is None else _check_int(vdim, "vdim", 0)
         self.bias = bool(bias)
         self.dtype = _check_dtype(dtype)
         self.head_dim = E // H
@@ -243,22 +261,40 @@ class MultiHeadAttention:
         return kw
 
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
-                 is_causal=False, return_weights=False, average_weights=True, n_threads=None):
+                 is_causal=False, causal_alignment="top_left", return_weights=False,
+                 average_weights=True, n_threads=None):
         """Attend from ``query`` to ``key``/``value``; see :func:`fastattn.multi_head_attention`.
+
+        ``causal_alignment="bottom_right"`` with ``is_causal=True`` aligns the
+        last query with the last key (decoding with a key/value cache: query
+        ``i`` of ``Lq`` sees keys ``j <= i + Lk - Lq``); the default
+        ``"top_left"`` is PyTorch's rule.
 
         Returns ``(B, Lq, E)`` (unbatched ``(Lq, E)``), or ``(output, weights)``
         with weights averaged over heads ``(B, Lq, Lk)`` or, with
         ``average_weights=False``, per head ``(B, H, Lq, Lk)``.
         """
+        key_given, value_given = key is not None, value is not None
         if key is None:
             key = query
         if value is None:
             value = key
+        for name, x, want, what, given in (
+                ("query", query, self.embed_dim, "embed_dim", True),
+                ("key", key, self.kdim, "kdim", key_given),
+                ("value", value, self.vdim, "vdim", value_given)):
+            shape = None if x is None else _shape(x)
+            if shape and shape[-1] != want:
+                came = "" if given else (" (key defaults to the query)" if name == "key"
+                                         else " (value defaults to the key)")
+                raise ValueError(
+                    f"{name}: expected last dim {what}={want} (this layer's), got shape {shape}{came}"
+                )
         return functional.multi_head_attention(
             query, key, value, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
-            return_weights=return_weights, average_weights=average_weights,
-            n_threads=n_threads, **self._weights())
+            causal_alignment=causal_alignment, return_weights=return_weights,
+            average_weights=average_weights, n_threads=n_threads, **self._weights())
 
     # --------------------------------------------------------------- loaders
     @classmethod
@@ -276,6 +312,8 @@ class MultiHeadAttention:
         inputs (``x.transpose(1, 0, 2)``).  ``dtype`` defaults to the weights'
         (float32 unless they are float64).
         """
+        if num_heads is not None:
+            num_heads = _check_int(num_heads, "num_heads")
         if isinstance(module_or_state_dict, Mapping):
             if num_heads is None:
                 raise TypeError(
@@ -297,7 +335,7 @@ class MultiHeadAttention:
             if m.add_zero_attn:
                 raise ValueError("module_or_state_dict: add_zero_attn=True is not supported")
             if num_heads is not None and num_heads != m.num_heads:
-                raise ValueError(f"num_heads: the module has {m.num_heads} heads, got num_heads={num_heads}")
+                raise ValueError(f"num_heads: the module has {m.num_heads} heads, got num_heads={num_heads!r}")
             num_heads = m.num_heads
             sd = m.state_dict()
             prefix = ""
@@ -318,7 +356,12 @@ class MultiHeadAttention:
             raise ValueError(f"num_heads: expected a divisor of embed_dim={E}, got {H}")
         dh = E // H
         if prefix + "in_proj_weight" in sd:
-            rows = _to_numpy(sd[prefix + "in_proj_weight"], "in_proj_weight").shape[0]
+            key_in = prefix + "in_proj_weight"
+            w_in = _to_numpy(sd[key_in], f"state_dict[{key_in!r}]")
+            if w_in.ndim != 2:
+                raise ValueError(f"state_dict[{key_in!r}]: expected a 2-D ((H + 2 Hkv) dh, E) weight, "
+                                 f"got shape {w_in.shape}")
+            rows = w_in.shape[0]
             kdim = vdim = E
         elif prefix + "k_proj_weight" in sd and prefix + "v_proj_weight" in sd:
             kw = _to_numpy(sd[prefix + "k_proj_weight"], "k_proj_weight")
@@ -354,7 +397,10 @@ class MultiHeadAttention:
         For layer ``i`` of a full model use ``prefix=f"bert.encoder.layer.{i}."``.
         ``num_heads`` is ``config.num_attention_heads``.  The block's
         ``output.LayerNorm`` and residual are not part of this layer: apply
-        them to its output.  Values may be tensors or arrays.
+        them to its output.  Values may be tensors or arrays.  Relative-position
+        variants (``position_embedding_type`` other than ``"absolute"``, with an
+        ``attention.self.distance_embedding.weight``) are refused with a
+        ValueError: their scores have a term this layer does not compute.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
@@ -373,6 +419,19 @@ class MultiHeadAttention:
                         + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
                         + f": pass prefix={hits[0][:-len('attention.self.query.weight')]!r}")
             raise ValueError(f"state_dict: no key {want!r}{hint}")
+
+        # the self-attention block holds exactly query/key/value: anything else there
+        # (relative-position BERTs' distance_embedding) changes the scores, so
+        # ignoring it would give wrong results without a word
+        known = {f"self.{n}.{p}" for n in ("query", "key", "value") for p in ("weight", "bias")}
+        extra = sorted(k for k in state_dict if isinstance(k, str) and k.startswith(base + "self.")
+                       and k[len(base):] not in known)
+        if extra:
+            raise ValueError(
+                f"state_dict: unsupported key(s) {', '.join(repr(k) for k in extra)}: only BERT's "
+                "absolute position embeddings are supported (position_embedding_type='absolute'); "
+                "relative-position attention (distance_embedding) is not"
+            )
 
         def get(name, required=True):
             k = base + name
