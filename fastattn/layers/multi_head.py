@@ -25,10 +25,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import functional
+from ._base import check_dtype
 
 __all__ = ["MultiHeadAttention"]
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _CONFIG_KEYS = ("embed_dim", "num_heads", "kdim", "vdim", "bias", "num_kv_heads", "dtype")
 
 
@@ -51,16 +51,6 @@ def _shape(x):
         return tuple(np.shape(x))
     except (ValueError, TypeError):  # ragged: the functional's checks report it
         return None
-
-
-def _check_dtype(dtype):
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
-    if dt not in _DTYPES:
-        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
-    return dt
 
 
 def _to_numpy(value, name):
@@ -136,7 +126,7 @@ class MultiHeadAttention:
         self.kdim = E if kdim is None else _check_int(kdim, "kdim", 0)
         self.vdim = E if vdim is None else _check_int(vdim, "vdim", 0)
         self.bias = bool(bias)
-        self.dtype = _check_dtype(dtype)
+        self.dtype = check_dtype(dtype)
         self.head_dim = E // H
         self.packed = self.kdim == E and self.vdim == E
         self.params = self._init_params(np.random.default_rng(seed))
