@@ -9,6 +9,8 @@ from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsul
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport dgemm, sgemm
 
+from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
+
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
                               fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
 
@@ -159,28 +161,6 @@ def capsule_info(object cap, bytes name):
 def selftest_capsule():
     """PyCapsule of the ABI self-test plugin (-gamma |q - k|^2)."""
     return PyCapsule_New(<void *>fa_selftest_plugin(), FASTATTN_PLUGIN_CAPSULE_NAME, NULL)
-
-
-cdef inline void _batch_strides(cnp.ndarray a, int nbatch, const int64_t *shape,
-                                int64_t *out) noexcept:
-    cdef int nd = cnp.PyArray_NDIM(a) - 2
-    cdef int i, j
-    cdef cnp.npy_intp *sh = cnp.PyArray_DIMS(a)
-    cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
-    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
-    for i in range(nbatch):
-        j = i - (nbatch - nd)
-        if j < 0 or sh[j] == 1:
-            out[i] = 0
-        else:
-            out[i] = st[j] // item
-
-
-cdef inline int64_t _ld(cnp.ndarray a, int64_t cols) noexcept:
-    cdef int nd = cnp.PyArray_NDIM(a)
-    if cnp.PyArray_DIMS(a)[nd - 2] == 1:
-        return cols if cols > 0 else 1
-    return cnp.PyArray_STRIDES(a)[nd - 2] // cnp.PyArray_ITEMSIZE(a)
 
 
 def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
