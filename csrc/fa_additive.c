@@ -33,54 +33,6 @@
 #define FA_ADD_AVX2 0
 #endif
 
-/* ------------------------------------------------------- scratch arena */
-
-/* One grow-only buffer per calling thread (it holds every slot's scratch of
- * that thread's calls), freed when the thread exits: no malloc per call. */
-typedef struct {
-    void *p;
-    size_t size;
-} add_arena_t;
-
-static pthread_key_t g_add_arena_key;
-static pthread_once_t g_add_arena_once = PTHREAD_ONCE_INIT;
-
-static void add_arena_free(void *x)
-{
-    add_arena_t *a = (add_arena_t *)x;
-    if (a) {
-        free(a->p);
-        free(a);
-    }
-}
-
-static void add_arena_init(void) { pthread_key_create(&g_add_arena_key, add_arena_free); }
-
-static void *add_arena(size_t need)
-{
-    pthread_once(&g_add_arena_once, add_arena_init);
-    add_arena_t *a = (add_arena_t *)pthread_getspecific(g_add_arena_key);
-    if (!a) {
-        a = (add_arena_t *)calloc(1, sizeof(*a));
-        if (!a)
-            return NULL;
-        if (pthread_setspecific(g_add_arena_key, a) != 0) {
-            free(a);
-            return NULL;
-        }
-    }
-    if (a->size < need) {
-        size_t grow = need + need / 4;
-        void *p = NULL;
-        if (posix_memalign(&p, 64, grow) != 0)
-            return NULL;
-        free(a->p);
-        a->p = p;
-        a->size = grow;
-    }
-    return a->p;
-}
-
 /* ------------------------------------------------------------- P . V */
 
 typedef void (*pv_float_t)(int64_t m, int64_t dv, int64_t n, const float *P, int64_t ldp,

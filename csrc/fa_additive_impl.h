@@ -238,7 +238,7 @@ int FN(fa_tiled_attention)(fa_tiled_args *a)
     size_t elems = a->weights ? 16 : (size_t)(a->block_q * a->block_k + 2 * a->block_q);
     elems = (elems + 15) & ~(size_t)15;
     j.slot_elems = elems;
-    j.scratch = (REAL *)add_arena(elems * sizeof(REAL) * (size_t)nt);
+    j.scratch = (REAL *)fa_arena(elems * sizeof(REAL) * (size_t)nt);
     if (!j.scratch)
         return FA_ENOMEM;
     add_pool_run(ntasks, nt, FN(run), &j);

@@ -209,3 +209,51 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
     }
     return __atomic_load_n(&j.cancel, __ATOMIC_RELAXED) ? 1 : 0;
 }
+
+/* ----------------------------------------------------------- scratch arena */
+
+typedef struct {
+    void *p;
+    size_t size;
+} fa_arena_t;
+
+static pthread_key_t g_arena_key;
+static pthread_once_t g_arena_once = PTHREAD_ONCE_INIT;
+
+static void arena_free(void *x)
+{
+    fa_arena_t *a = (fa_arena_t *)x;
+    if (a) {
+        free(a->p);
+        free(a);
+    }
+}
+
+static void arena_init(void) { pthread_key_create(&g_arena_key, arena_free); }
+
+void *fa_arena(size_t need)
+{
+    if (need == 0)
+        return NULL;
+    pthread_once(&g_arena_once, arena_init);
+    fa_arena_t *a = (fa_arena_t *)pthread_getspecific(g_arena_key);
+    if (!a) {
+        a = (fa_arena_t *)calloc(1, sizeof(*a));
+        if (!a)
+            return NULL;
+        if (pthread_setspecific(g_arena_key, a) != 0) {
+            free(a);
+            return NULL;
+        }
+    }
+    if (a->size < need) {
+        size_t grow = need + need / 4;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, grow) != 0)
+            return NULL;
+        free(a->p);
+        a->p = p;
+        a->size = grow;
+    }
+    return a->p;
+}

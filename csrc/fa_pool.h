@@ -13,6 +13,7 @@
 #ifndef FA_POOL_H
 #define FA_POOL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* Run fn(ctx, task, slot) for task in [0, ntasks) on the calling thread plus
@@ -30,6 +31,12 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
 
 /* Number of worker threads currently alive (for tests and explain()). */
 int fa_pool_workers(void);
+
+/* Scratch: one grow-only, 64-byte aligned buffer per calling thread, freed
+ * when the thread exits (no malloc per call).  NULL when need is 0 or on
+ * allocation failure.  The pointer stays valid until the same thread asks
+ * for more. */
+void *fa_arena(size_t need);
 
 /* Tasks that pool workers (not the caller) ran in the last fa_pool_run that
  * posted work (for tests: a worker that misses a job shows up as 0). */
