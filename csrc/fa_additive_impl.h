@@ -37,19 +37,6 @@ static inline void FN(mask_row)(const fa_tiled_args *a, const unsigned char *mb,
     }
 }
 
-static inline int FN(tile_masked_out)(const fa_tiled_args *a, const unsigned char *mb,
-                                      int64_t i0, int64_t m, int64_t j0, int64_t n)
-{
-    int64_t rows = a->ldm == 0 ? 1 : m;
-    for (int64_t r = 0; r < rows; r++) {
-        const unsigned char *mr = mb + (i0 + r) * a->ldm + j0;
-        for (int64_t c = 0; c < n; c++)
-            if (mr[c])
-                return 0;
-    }
-    return 1;
-}
-
 /* 1 when a score is NaN or +inf */
 static inline int FN(bad_scores)(const REAL *S, int64_t lds, int64_t m, int64_t n)
 {
@@ -123,7 +110,7 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
                 W[r * a->ldw + c] = (REAL)(-INFINITY);
         for (int64_t j0 = 0; j0 < kend; j0 += bk) {
             int64_t n = kend - j0 < bk ? kend - j0 : bk;
-            if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
+            if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
                 continue;
             int rc = FN(score_tile)(j, Q, K + j0 * a->ldk, m, n, W + j0, a->ldw);
             if (rc)
@@ -155,7 +142,7 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
     }
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
-        if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
+        if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
             continue;
         int rc = FN(score_tile)(j, Q, K + j0 * a->ldk, m, n, S, bk);
         if (rc)

@@ -69,4 +69,20 @@ typedef struct {
 /* The table in use (scalar or AVX2), chosen by fa_simd_set_disabled / CPU detection. */
 const fa_rowops *fa_get_rowops(void);
 
+/* 1 when no (query row, key) pair of the tile rows [i0, i0+m) x keys
+ * [j0, j0+n) is allowed by the boolean mask mb (row stride ldm; 0: one key
+ * mask for every query). */
+static inline int fa_tile_masked_out(const unsigned char *mb, int64_t ldm, int64_t i0,
+                                     int64_t m, int64_t j0, int64_t n)
+{
+    int64_t rows = ldm == 0 ? 1 : m;
+    for (int64_t r = 0; r < rows; r++) {
+        const unsigned char *mr = mb + (i0 + r) * ldm + j0;
+        for (int64_t c = 0; c < n; c++)
+            if (mr[c])
+                return 0;
+    }
+    return 1;
+}
+
 #endif

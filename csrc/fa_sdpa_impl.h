@@ -49,20 +49,6 @@ static inline void FN(mask_row)(const fa_sdpa_args *a, const fa_rowops *ops,
     }
 }
 
-/* 1 when no (query row, key) pair of the tile is allowed by a boolean mask. */
-static inline int FN(tile_masked_out)(const fa_sdpa_args *a, const unsigned char *mb,
-                                      int64_t i0, int64_t m, int64_t j0, int64_t n)
-{
-    int64_t rows = a->ldm == 0 ? 1 : m;
-    for (int64_t r = 0; r < rows; r++) {
-        const unsigned char *mr = mb + (i0 + r) * a->ldm + j0;
-        for (int64_t c = 0; c < n; c++)
-            if (mr[c])
-                return 0;
-    }
-    return 1;
-}
-
 static inline void FN(scale_row)(REAL *x, int64_t n, REAL f)
 {
     for (int64_t c = 0; c < n; c++)
@@ -199,7 +185,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
     int started = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
-        if (mb && FN(tile_masked_out)(a, mb, i0, m, j0, n))
+        if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
             continue;
         if (mb && a->ldm == 0) {
             /* one key mask for every query (padding): the tile ends at its
