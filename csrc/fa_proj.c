@@ -27,6 +27,53 @@ static AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+/* One input row (decoding, B = 1 recurrences): 8 weight rows a step, one
+ * load of x per 8 loads of w, no duplicated rows (3 x 4 computes 3 rows for
+ * 1); the 8 sums reduced together at the end of the row. */
+static AVX2 void small_1x8(int64_t n, int64_t k, const float *x, const float *w, int64_t ldw,
+                           const float *b, float *y)
+{
+    const int64_t k8 = k & ~(int64_t)7;
+    const int tail = (int)(k - k8);
+    const __m256i tmask = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t j = 0; j < n; j += 8) {
+        const float *wr[8];
+        for (int q = 0; q < 8; q++)   /* rows past the end repeat the last one, not stored */
+            wr[q] = w + (j + q < n ? j + q : n - 1) * ldw;
+        const int nj = n - j < 8 ? (int)(n - j) : 8;
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        int64_t p = 0;
+        for (; p < k8; p += 8) {
+            __m256 v = _mm256_loadu_ps(x + p);
+            c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[0] + p), c0);
+            c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[1] + p), c1);
+            c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[2] + p), c2);
+            c3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[3] + p), c3);
+            c4 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[4] + p), c4);
+            c5 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[5] + p), c5);
+            c6 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[6] + p), c6);
+            c7 = _mm256_fmadd_ps(v, _mm256_loadu_ps(wr[7] + p), c7);
+        }
+        if (tail) {
+            __m256 v = _mm256_maskload_ps(x + p, tmask);
+            c0 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[0] + p, tmask), c0);
+            c1 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[1] + p, tmask), c1);
+            c2 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[2] + p, tmask), c2);
+            c3 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[3] + p, tmask), c3);
+            c4 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[4] + p, tmask), c4);
+            c5 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[5] + p, tmask), c5);
+            c6 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[6] + p, tmask), c6);
+            c7 = _mm256_fmadd_ps(v, _mm256_maskload_ps(wr[7] + p, tmask), c7);
+        }
+        float r[8];
+        _mm_storeu_ps(r, hsum4(c0, c1, c2, c3));
+        _mm_storeu_ps(r + 4, hsum4(c4, c5, c6, c7));
+        for (int jj = 0; jj < nj; jj++)
+            y[j + jj] = b ? r[jj] + b[j + jj] : r[jj];
+    }
+}
+
 static AVX2 void small_3x4(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                                   const float *w, int64_t ldw, const float *b, float *y,
                                   int64_t ldy)
@@ -174,7 +221,9 @@ int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t l
 #ifdef FA_PROJ_AVX2
     if (m < 1 || n < 1 || k < 1 || !fa_proj_small_available())
         return FA_PROJ_EINVAL;
-    if (m < 4)
+    if (m == 1)
+        small_1x8(n, k, x, w, ldw, b, y);
+    else if (m < 4)
         small_3x4(m, n, k, x, ldx, w, ldw, b, y, ldy);
     else
         small_4x3(m, n, k, x, ldx, w, ldw, b, y, ldy);
