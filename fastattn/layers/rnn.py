@@ -5,8 +5,10 @@ Shapes are batch-first: inputs ``(B, T, E)`` or unbatched ``(T, E)``; final
 states ``(num_layers * D, B, H)`` (D = 2 when bidirectional), torch's layout
 (index ``layer * D + direction``).  The input projections of all time steps
 are one GEMM per layer and direction (``X W_ihᵀ + b_ih``); the time loop runs
-in Python, each step a GEMM over the whole batch (``h W_hhᵀ``) plus
-elementwise gates -- never a loop over batch items.
+in compiled code (:func:`fastattn.functional.rnn_scan`, csrc/fa_rnn.c), each
+step one product over the batch rows (``h W_hhᵀ``) plus the gates, the rows
+split into blocks across fastattn's threads -- never a loop over batch items
+in Python.
 
 Gate equations (torch):
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import expit
 
 from .. import functional as F
 from ._base import Layer, as_float_input, check_bool, check_dtype, check_int
@@ -164,32 +165,6 @@ class Linear(Layer):
 
 
 # ============================================================ recurrences
-def _cell(mode, gi, gh, h, c, relu=False):
-    """One step for the whole batch: gi = x W_ihᵀ + b_ih, gh = h W_hhᵀ + b_hh."""
-    H = h.shape[-1]
-    if mode == "RNN":
-        s = gi + gh
-        return (np.maximum(s, 0, out=s) if relu else np.tanh(s, out=s)), None
-    if mode == "GRU":
-        rz = expit(gi[:, :2 * H] + gh[:, :2 * H])
-        n = gh[:, 2 * H:] * rz[:, :H]
-        n += gi[:, 2 * H:]
-        np.tanh(n, out=n)
-        # h' = (1 - z) n + z h = n + z (h - n)
-        out = h - n
-        out *= rz[:, H:]
-        out += n
-        return out, None
-    s = gi + gh  # LSTM: i, f, g, o
-    g = np.tanh(s[:, 2 * H:3 * H])
-    expit(s, out=s)
-    c_new = s[:, H:2 * H] * c
-    c_new += s[:, :H] * g
-    h_new = np.tanh(c_new)
-    h_new *= s[:, 3 * H:]
-    return h_new, c_new
-
-
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 
 
@@ -262,6 +237,12 @@ class _RNNBase(Layer):
             self._cache[key] = w
         return w
 
+    def _scan_cell(self):
+        """The cell name of :func:`fastattn.functional.rnn_scan`."""
+        if self._mode == "RNN":
+            return "rnn_relu" if self._config.get("nonlinearity") == "relu" else "rnn_tanh"
+        return self._mode.lower()
+
     # ------------------------------------------------------------ states
     def _check_state(self, state, B, unbatched, ct):
         LD, H = self.num_layers * self.num_directions, self.hidden_size
@@ -281,16 +262,17 @@ class _RNNBase(Layer):
             if s.shape != want:
                 raise ValueError(f"{name}: expected shape {want} (num_layers * num_directions, "
                                  f"{'' if unbatched else 'B, '}hidden_size), got {s.shape}")
-            out.append((s[:, None, :] if unbatched else s).astype(ct, copy=True))
+            # not copied: the kernels never write into a state they are given
+            out.append((s[:, None, :] if unbatched else s).astype(ct, copy=False))
         return out
 
     def _pack_state(self, hs, cs, unbatched):
-        h = np.stack(hs)
+        h = hs[0][None] if len(hs) == 1 else np.stack(hs)
         if unbatched:
             h = h[:, 0]
         if self._mode != "LSTM":
             return h
-        c = np.stack(cs)
+        c = cs[0][None] if len(cs) == 1 else np.stack(cs)
         return h, (c[:, 0] if unbatched else c)
 
     # ----------------------------------------------------------- forward
@@ -313,44 +295,31 @@ class _RNNBase(Layer):
             x = x[None]
         B, T, _ = x.shape
         ct = np.result_type(x.dtype, self.dtype)
-        mask = None
         if lengths is not None:
             if unbatched:
                 raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
             lengths = _check_lengths(lengths, B, T)
-            if np.any(lengths < T):
-                mask = np.arange(T)[None, :] < lengths[:, None]
+            if not np.any(lengths < T):
+                lengths = None
         st = self._check_state(state, B, unbatched, ct)
         h0 = st[0]
         c0 = st[1] if self._mode == "LSTM" else None
         hs, cs = [], []
         inp = x
-        H = self.hidden_size
-        relu = self._config.get("nonlinearity") == "relu"
+        cell = self._scan_cell()
         for k in range(self.num_layers):
-            outs = np.zeros((B, T, self.num_directions * H), ct)
+            dirs = []
             for d, sfx in enumerate(("", "_reverse")[:self.num_directions]):
                 wih, whh, bih, bhh = self._weights(k, sfx, ct)
                 idx = k * self.num_directions + d
                 xw = F.linear(inp.reshape(B * T, -1), wih, bih).reshape(B, T, -1)
-                h = h0[idx].copy()
-                c = None if c0 is None else c0[idx].copy()
-                o = outs[:, :, d * H:(d + 1) * H]
-                for t in (range(T - 1, -1, -1) if d else range(T)):
-                    gh = F.linear(h, whh, bhh)
-                    hn, cn = _cell(self._mode, xw[:, t], gh, h, c, relu)
-                    if mask is not None:
-                        m = mask[:, t, None]
-                        hn = np.where(m, hn, h)
-                        if cn is not None:
-                            cn = np.where(m, cn, c)
-                        o[:, t] = np.where(m, hn, 0)
-                    else:
-                        o[:, t] = hn
-                    h, c = hn, cn
+                o, h, c = F.rnn_scan(xw, whh, bhh, h0[idx], cell=cell,
+                                     c0=None if c0 is None else c0[idx], lengths=lengths,
+                                     reverse=bool(d))
+                dirs.append(o)
                 hs.append(h)
                 cs.append(c)
-            inp = outs
+            inp = dirs[0] if len(dirs) == 1 else np.concatenate(dirs, axis=-1)
         outputs = inp[0] if unbatched else inp
         return outputs, self._pack_state(hs, cs, unbatched)
 
@@ -362,14 +331,13 @@ class _RNNBase(Layer):
         B = x.shape[0]
         ct = np.result_type(x.dtype, self.dtype)
         st = self._check_state(state, B, False, ct)
-        relu = self._config.get("nonlinearity") == "relu"
+        cell = self._scan_cell()
         hs, cs = [], []
         inp = x
         for k in range(self.num_layers):
             wih, whh, bih, bhh = self._weights(k, "", ct)
-            gi = F.linear(inp, wih, bih)
-            gh = F.linear(st[0][k], whh, bhh)
-            h, c = _cell(self._mode, gi, gh, st[0][k], st[1][k] if self._mode == "LSTM" else None, relu)
+            h, c = F.rnn_cell(inp, st[0][k], wih, bih, whh, bhh, cell=cell,
+                              c=st[1][k] if self._mode == "LSTM" else None)
             hs.append(h)
             cs.append(c)
             inp = h

@@ -1,0 +1,408 @@
+/*
+ * Recurrence kernel of the RNN layers (fa_rnn.h).
+ *
+ * Per step: gh = h W_hh^T + b_hh for the block's rows (the few-row AVX2
+ * kernel of fa_proj.c for float32, reading W_hh in place, or one gemm), then
+ * the gates row by row.  The whole time loop runs here, so a step costs one
+ * product and one pass over G*H numbers per row instead of a dozen NumPy
+ * calls.  Gates use fastattn's own vectorised exp and tanh (fa_exp_avx2.h,
+ * fa_tanh_avx2.h: float <= 2 ulp, double <= 3 ulp) with AVX2/FMA, libm's
+ * otherwise; the sigmoid is 1 / (1 + exp(-x)).  No -ffast-math: NaN
+ * propagates.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+#include "fa_proj.h"
+#include "fa_rnn.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define FA_RNN_AVX2 1
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+#include "fa_exp_avx2.h"
+#include "fa_tanh_avx2.h"
+#else
+#define FA_RNN_AVX2 0
+#endif
+
+int fa_rnn_gates(int cell)
+{
+    switch (cell) {
+    case FA_RNN_TANH:
+    case FA_RNN_RELU:
+        return 1;
+    case FA_RNN_GRU:
+        return 3;
+    case FA_RNN_LSTM:
+        return 4;
+    default:
+        return 0;
+    }
+}
+
+/* One row's gates from column j on: gi = xw row, gh = h W_hh^T + b_hh row,
+ * h (and c) updated in place. */
+typedef void (*row_f32_fn)(int64_t j, int64_t H, const float *gi, const float *gh, float *h, float *c);
+typedef void (*row_f64_fn)(int64_t j, int64_t H, const double *gi, const double *gh, double *h, double *c);
+
+/* ------------------------------------------------------------ scalar rows */
+
+#define SCALAR_ROWS(T, SFX, EXP, TANH)                                                      \
+    static inline T sig_##SFX(T x) { return (T)1 / ((T)1 + EXP(-x)); }                      \
+    static void tanh_row_##SFX(int64_t j, int64_t H, const T *gi, const T *gh, T *h, T *c)  \
+    {                                                                                       \
+        (void)c;                                                                            \
+        for (; j < H; j++)                                                                  \
+            h[j] = TANH(gi[j] + gh[j]);                                                     \
+    }                                                                                       \
+    static void relu_row_##SFX(int64_t j, int64_t H, const T *gi, const T *gh, T *h, T *c)  \
+    {                                                                                       \
+        (void)c;                                                                            \
+        for (; j < H; j++) {                                                                \
+            T s = gi[j] + gh[j];                                                            \
+            h[j] = s > 0 ? s : (s == s ? (T)0 : s); /* NaN stays NaN */                     \
+        }                                                                                   \
+    }                                                                                       \
+    static void gru_row_##SFX(int64_t j, int64_t H, const T *gi, const T *gh, T *h, T *c)   \
+    {                                                                                       \
+        (void)c;                                                                            \
+        for (; j < H; j++) {                                                                \
+            T r = sig_##SFX(gi[j] + gh[j]);                                                 \
+            T z = sig_##SFX(gi[H + j] + gh[H + j]);                                         \
+            T n = TANH(gi[2 * H + j] + r * gh[2 * H + j]);                                  \
+            h[j] = n + z * (h[j] - n);                                                      \
+        }                                                                                   \
+    }                                                                                       \
+    static void lstm_row_##SFX(int64_t j, int64_t H, const T *gi, const T *gh, T *h, T *c)  \
+    {                                                                                       \
+        for (; j < H; j++) {                                                                \
+            T i = sig_##SFX(gi[j] + gh[j]);                                                 \
+            T f = sig_##SFX(gi[H + j] + gh[H + j]);                                         \
+            T g = TANH(gi[2 * H + j] + gh[2 * H + j]);                                      \
+            T o = sig_##SFX(gi[3 * H + j] + gh[3 * H + j]);                                 \
+            T cn = f * c[j] + i * g;                                                        \
+            c[j] = cn;                                                                      \
+            h[j] = o * TANH(cn);                                                            \
+        }                                                                                   \
+    }
+
+SCALAR_ROWS(float, f32, expf, tanhf)
+SCALAR_ROWS(double, f64, exp, tanh)
+
+/* -------------------------------------------------------------- AVX2 rows */
+
+#if FA_RNN_AVX2
+AVX2 static inline __m256 sig8(__m256 x)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+AVX2 static inline __m256d sig4(__m256d x)
+{
+    const __m256d one = _mm256_set1_pd(1.0);
+    return _mm256_div_pd(one, _mm256_add_pd(one, exp4_f64(_mm256_sub_pd(_mm256_setzero_pd(), x))));
+}
+
+#define LF(p) _mm256_loadu_ps(p)
+#define LD(p) _mm256_loadu_pd(p)
+
+AVX2 static void tanh_row_f32_avx2(int64_t j, int64_t H, const float *gi, const float *gh, float *h, float *c)
+{
+    for (; j + 8 <= H; j += 8)
+        _mm256_storeu_ps(h + j, tanh8_f32(_mm256_add_ps(LF(gi + j), LF(gh + j))));
+    tanh_row_f32(j, H, gi, gh, h, c);
+}
+
+AVX2 static void gru_row_f32_avx2(int64_t j, int64_t H, const float *gi, const float *gh, float *h, float *c)
+{
+    for (; j + 8 <= H; j += 8) {
+        __m256 r = sig8(_mm256_add_ps(LF(gi + j), LF(gh + j)));
+        __m256 z = sig8(_mm256_add_ps(LF(gi + H + j), LF(gh + H + j)));
+        __m256 n = tanh8_f32(_mm256_add_ps(LF(gi + 2 * H + j), _mm256_mul_ps(r, LF(gh + 2 * H + j))));
+        _mm256_storeu_ps(h + j, _mm256_add_ps(n, _mm256_mul_ps(z, _mm256_sub_ps(LF(h + j), n))));
+    }
+    gru_row_f32(j, H, gi, gh, h, c);
+}
+
+AVX2 static void lstm_row_f32_avx2(int64_t j, int64_t H, const float *gi, const float *gh, float *h, float *c)
+{
+    for (; j + 8 <= H; j += 8) {
+        __m256 i = sig8(_mm256_add_ps(LF(gi + j), LF(gh + j)));
+        __m256 f = sig8(_mm256_add_ps(LF(gi + H + j), LF(gh + H + j)));
+        __m256 g = tanh8_f32(_mm256_add_ps(LF(gi + 2 * H + j), LF(gh + 2 * H + j)));
+        __m256 o = sig8(_mm256_add_ps(LF(gi + 3 * H + j), LF(gh + 3 * H + j)));
+        __m256 cn = _mm256_add_ps(_mm256_mul_ps(f, LF(c + j)), _mm256_mul_ps(i, g));
+        _mm256_storeu_ps(c + j, cn);
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(o, tanh8_f32(cn)));
+    }
+    lstm_row_f32(j, H, gi, gh, h, c);
+}
+
+AVX2 static void tanh_row_f64_avx2(int64_t j, int64_t H, const double *gi, const double *gh, double *h, double *c)
+{
+    for (; j + 4 <= H; j += 4)
+        _mm256_storeu_pd(h + j, tanh4_f64(_mm256_add_pd(LD(gi + j), LD(gh + j))));
+    tanh_row_f64(j, H, gi, gh, h, c);
+}
+
+AVX2 static void gru_row_f64_avx2(int64_t j, int64_t H, const double *gi, const double *gh, double *h, double *c)
+{
+    for (; j + 4 <= H; j += 4) {
+        __m256d r = sig4(_mm256_add_pd(LD(gi + j), LD(gh + j)));
+        __m256d z = sig4(_mm256_add_pd(LD(gi + H + j), LD(gh + H + j)));
+        __m256d n = tanh4_f64(_mm256_add_pd(LD(gi + 2 * H + j), _mm256_mul_pd(r, LD(gh + 2 * H + j))));
+        _mm256_storeu_pd(h + j, _mm256_add_pd(n, _mm256_mul_pd(z, _mm256_sub_pd(LD(h + j), n))));
+    }
+    gru_row_f64(j, H, gi, gh, h, c);
+}
+
+AVX2 static void lstm_row_f64_avx2(int64_t j, int64_t H, const double *gi, const double *gh, double *h, double *c)
+{
+    for (; j + 4 <= H; j += 4) {
+        __m256d i = sig4(_mm256_add_pd(LD(gi + j), LD(gh + j)));
+        __m256d f = sig4(_mm256_add_pd(LD(gi + H + j), LD(gh + H + j)));
+        __m256d g = tanh4_f64(_mm256_add_pd(LD(gi + 2 * H + j), LD(gh + 2 * H + j)));
+        __m256d o = sig4(_mm256_add_pd(LD(gi + 3 * H + j), LD(gh + 3 * H + j)));
+        __m256d cn = _mm256_add_pd(_mm256_mul_pd(f, LD(c + j)), _mm256_mul_pd(i, g));
+        _mm256_storeu_pd(c + j, cn);
+        _mm256_storeu_pd(h + j, _mm256_mul_pd(o, tanh4_f64(cn)));
+    }
+    lstm_row_f64(j, H, gi, gh, h, c);
+}
+#endif
+
+static row_f32_fn pick_f32(int cell, int simd)
+{
+#if FA_RNN_AVX2
+    if (simd) {
+        switch (cell) {
+        case FA_RNN_TANH: return tanh_row_f32_avx2;
+        case FA_RNN_GRU: return gru_row_f32_avx2;
+        case FA_RNN_LSTM: return lstm_row_f32_avx2;
+        default: break;
+        }
+    }
+#else
+    (void)simd;
+#endif
+    switch (cell) {
+    case FA_RNN_TANH: return tanh_row_f32;
+    case FA_RNN_RELU: return relu_row_f32;
+    case FA_RNN_GRU: return gru_row_f32;
+    case FA_RNN_LSTM: return lstm_row_f32;
+    default: return NULL;
+    }
+}
+
+static row_f64_fn pick_f64(int cell, int simd)
+{
+#if FA_RNN_AVX2
+    if (simd) {
+        switch (cell) {
+        case FA_RNN_TANH: return tanh_row_f64_avx2;
+        case FA_RNN_GRU: return gru_row_f64_avx2;
+        case FA_RNN_LSTM: return lstm_row_f64_avx2;
+        default: break;
+        }
+    }
+#else
+    (void)simd;
+#endif
+    switch (cell) {
+    case FA_RNN_TANH: return tanh_row_f64;
+    case FA_RNN_RELU: return relu_row_f64;
+    case FA_RNN_GRU: return gru_row_f64;
+    case FA_RNN_LSTM: return lstm_row_f64;
+    default: return NULL;
+    }
+}
+
+/* ------------------------------------------------------------- time loop */
+
+/* The loop is the same for both precisions; GH_PRODUCT(m) fills G (m x GH,
+ * row stride GH) with h[b0 .. b0+m) W_hh^T + b_hh. */
+#define RNN_LOOP(TY, ROW, GH_PRODUCT)                                                          \
+    const int64_t H = a->H, GH = (int64_t)fa_rnn_gates(a->cell) * H, m = b1 - b0;            \
+    const TY *xw = (const TY *)a->xw;                                                           \
+    TY *h = (TY *)a->h + b0 * H;                                                                \
+    TY *c = a->c ? (TY *)a->c + b0 * H : NULL;                                                  \
+    TY *out = (TY *)a->out;                                                                     \
+    for (int64_t s = 0; s < a->T; s++) {                                                      \
+        const int64_t t = a->reverse ? a->T - 1 - s : s;                                      \
+        int64_t live = m;                                                                     \
+        if (a->lengths) {                                                                     \
+            live = 0;                                                                         \
+            for (int64_t r = 0; r < m; r++)                                                   \
+                live += t < a->lengths[b0 + r];                                               \
+        }                                                                                     \
+        if (live) {                                                                           \
+            GH_PRODUCT(m);                                                                    \
+        }                                                                                     \
+        for (int64_t r = 0; r < m; r++) {                                                     \
+            const int64_t b = b0 + r;                                                         \
+            TY *o = out ? out + b * a->out_bs + t * a->out_ts : NULL;                          \
+            if (a->lengths && t >= a->lengths[b]) {                                           \
+                if (o)                                                                        \
+                    memset(o, 0, (size_t)H * sizeof(TY));                                      \
+                continue;                                                                     \
+            }                                                                                 \
+            ROW(0, H, xw + b * a->xw_bs + t * a->xw_ts, G + r * GH, h + r * H,                \
+                c ? c + r * H : NULL);                                                        \
+            if (o)                                                                            \
+                memcpy(o, h + r * H, (size_t)H * sizeof(TY));                                  \
+        }                                                                                     \
+    }
+
+static int check_args(const fa_rnn_args *a, int64_t b0, int64_t b1)
+{
+    if (!a || fa_rnn_gates(a->cell) == 0 || a->B < 1 || a->T < 1 || a->H < 1 || b0 < 0 ||
+        b1 > a->B || b0 >= b1 || !a->xw || !a->whh || !a->h || a->ldw < a->H ||
+        (a->cell == FA_RNN_LSTM && !a->c))
+        return FA_RNN_EINVAL;
+    return 0;
+}
+
+/* G = bias rows (or 0), ready for a gemm with beta = 1 */
+#define FILL_BIAS(T, m)                                                                       \
+    for (int64_t r = 0; r < (m); r++) {                                                       \
+        if (bhh)                                                                              \
+            memcpy(G + r * GH, bhh, (size_t)GH * sizeof(T));                                  \
+        else                                                                                  \
+            memset(G + r * GH, 0, (size_t)GH * sizeof(T));                                    \
+    }
+
+int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *G)
+{
+    if (check_args(a, b0, b1) || !G)
+        return FA_RNN_EINVAL;
+    const row_f32_fn row = pick_f32(a->cell, a->simd);
+    const float *whh = (const float *)a->whh, *bhh = (const float *)a->bhh;
+    const int small = a->simd && (b1 - b0) <= a->small_m && fa_proj_small_available();
+    if (!small && !a->sgemm)
+        return FA_RNN_EINVAL;
+    int gn = (int)((int64_t)fa_rnn_gates(a->cell) * a->H), gm = (int)(b1 - b0), gk = (int)a->H;
+    int ldw = (int)a->ldw, ldh = (int)a->H, ldg = gn;
+    float one = 1.0f;
+    char tt = 'T', tn = 'N';
+#define PRODUCT_F32(m)                                                                        \
+    if (small) {                                                                              \
+        fa_proj_small_f32((m), GH, H, h, H, whh, a->ldw, bhh, G, GH);                        \
+    } else {                                                                                  \
+        FILL_BIAS(float, m)                                                                   \
+        a->sgemm(&tt, &tn, &gn, &gm, &gk, &one, (float *)whh, &ldw, h, &ldh, &one, G, &ldg);  \
+    }
+    RNN_LOOP(float, row, PRODUCT_F32)
+#undef PRODUCT_F32
+    return 0;
+}
+
+int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *G)
+{
+    if (check_args(a, b0, b1) || !G || !a->dgemm)
+        return FA_RNN_EINVAL;
+    const row_f64_fn row = pick_f64(a->cell, a->simd);
+    const double *whh = (const double *)a->whh, *bhh = (const double *)a->bhh;
+    int gn = (int)((int64_t)fa_rnn_gates(a->cell) * a->H), gm = (int)(b1 - b0), gk = (int)a->H;
+    int ldw = (int)a->ldw, ldh = (int)a->H, ldg = gn;
+    double one = 1.0;
+    char tt = 'T', tn = 'N';
+#define PRODUCT_F64(m)                                                                        \
+    FILL_BIAS(double, m)                                                                      \
+    a->dgemm(&tt, &tn, &gn, &gm, &gk, &one, (double *)whh, &ldw, h, &ldh, &one, G, &ldg);
+    RNN_LOOP(double, row, PRODUCT_F64)
+#undef PRODUCT_F64
+    return 0;
+}
+
+/* --------------------------------------------------------------- one step */
+
+/* y (m x n, ldy) = x (m x k, ldx) w (n x k, ldw)^T + b (or 0) */
+static void prod_f32(const fa_cell_args *a, int64_t m, int64_t n, int64_t k, const float *x,
+                     int64_t ldx, const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
+{
+    if (a->simd && m <= a->small_m && fa_proj_small_available()) {
+        fa_proj_small_f32(m, n, k, x, ldx, w, ldw, b, y, ldy);
+        return;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        if (b)
+            memcpy(y + r * ldy, b, (size_t)n * sizeof(float));
+        else
+            memset(y + r * ldy, 0, (size_t)n * sizeof(float));
+    }
+    int gn = (int)n, gm = (int)m, gk = (int)k, lw = (int)ldw, lx = (int)ldx, ly = (int)ldy;
+    float one = 1.0f;
+    char tt = 'T', tn = 'N';
+    a->sgemm(&tt, &tn, &gn, &gm, &gk, &one, (float *)w, &lw, (float *)x, &lx, &one, y, &ly);
+}
+
+static void prod_f64(const fa_cell_args *a, int64_t m, int64_t n, int64_t k, const double *x,
+                     int64_t ldx, const double *w, int64_t ldw, const double *b, double *y, int64_t ldy)
+{
+    for (int64_t r = 0; r < m; r++) {
+        if (b)
+            memcpy(y + r * ldy, b, (size_t)n * sizeof(double));
+        else
+            memset(y + r * ldy, 0, (size_t)n * sizeof(double));
+    }
+    int gn = (int)n, gm = (int)m, gk = (int)k, lw = (int)ldw, lx = (int)ldx, ly = (int)ldy;
+    double one = 1.0;
+    char tt = 'T', tn = 'N';
+    a->dgemm(&tt, &tn, &gn, &gm, &gk, &one, (double *)w, &lw, (double *)x, &lx, &one, y, &ly);
+}
+
+static int check_cell(const fa_cell_args *a, int64_t u0, int64_t u1)
+{
+    if (!a || fa_rnn_gates(a->cell) == 0 || a->B < 1 || a->H < 1 || a->nin < 1 || u0 < 0 ||
+        u1 > a->H || u0 >= u1 || !a->x || !a->wih || !a->whh || !a->h0 || !a->h1 ||
+        a->ldx < a->nin || a->ldwi < a->nin || a->ldwh < a->H ||
+        (a->cell == FA_RNN_LSTM && (!a->c0 || !a->c1)))
+        return FA_RNN_EINVAL;
+    return 0;
+}
+
+/* Scratch layout: GI then GH, each B rows of G blocks of nu numbers (gate
+ * stride nu), which is the layout the row functions read with H = nu. */
+#define CELL_BODY(TY, PROD, ROW)                                                              \
+    const int64_t G = fa_rnn_gates(a->cell), H = a->H, B = a->B, nu = u1 - u0;               \
+    const TY *x = (const TY *)a->x, *wih = (const TY *)a->wih, *whh = (const TY *)a->whh;     \
+    const TY *bih = (const TY *)a->bih, *bhh = (const TY *)a->bhh;                            \
+    const TY *h0 = (const TY *)a->h0, *c0 = (const TY *)a->c0;                                \
+    TY *h1 = (TY *)a->h1, *c1 = (TY *)a->c1;                                                  \
+    TY *GI = scratch, *GH = scratch + B * G * nu;                                             \
+    for (int64_t g = 0; g < G; g++) {                                                         \
+        const int64_t r0 = g * H + u0;                                                        \
+        PROD(a, B, nu, a->nin, x, a->ldx, wih + r0 * a->ldwi, a->ldwi, bih ? bih + r0 : NULL,  \
+             GI + g * nu, G * nu);                                                            \
+        PROD(a, B, nu, H, h0, H, whh + r0 * a->ldwh, a->ldwh, bhh ? bhh + r0 : NULL,         \
+             GH + g * nu, G * nu);                                                            \
+    }                                                                                         \
+    for (int64_t b = 0; b < B; b++) {                                                         \
+        memcpy(h1 + b * H + u0, h0 + b * H + u0, (size_t)nu * sizeof(TY));                   \
+        if (c1)                                                                               \
+            memcpy(c1 + b * H + u0, c0 + b * H + u0, (size_t)nu * sizeof(TY));               \
+        ROW(0, nu, GI + b * G * nu, GH + b * G * nu, h1 + b * H + u0,                        \
+            c1 ? c1 + b * H + u0 : NULL);                                                     \
+    }
+
+int fa_rnn_cell_f32(const fa_cell_args *a, int64_t u0, int64_t u1, float *scratch)
+{
+    if (check_cell(a, u0, u1) || !scratch)
+        return FA_RNN_EINVAL;
+    if (!(a->simd && a->B <= a->small_m && fa_proj_small_available()) && !a->sgemm)
+        return FA_RNN_EINVAL;
+    const row_f32_fn row = pick_f32(a->cell, a->simd);
+    CELL_BODY(float, prod_f32, row)
+    return 0;
+}
+
+int fa_rnn_cell_f64(const fa_cell_args *a, int64_t u0, int64_t u1, double *scratch)
+{
+    if (check_cell(a, u0, u1) || !scratch || !a->dgemm)
+        return FA_RNN_EINVAL;
+    const row_f64_fn row = pick_f64(a->cell, a->simd);
+    CELL_BODY(double, prod_f64, row)
+    return 0;
+}

@@ -1,0 +1,363 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Recurrence kernel of the RNN layers: csrc/fa_rnn.c over canonical buffers.
+
+Canonical buffers in, preallocated outputs, GIL released, no user-facing
+checks: ``fastattn._rnn_api`` (``functional.rnn_scan``) validates and
+canonicalises every argument before it calls here.
+
+Threads: batch rows are independent through the whole sequence, so the rows
+are cut into blocks that fastattn's worker pool (``fastattn._kernels``) hands
+out one at a time; each block runs all T steps on one thread with no
+synchronisation between steps.  BLAS (the float64 and large-block float32
+products) is held at one thread meanwhile through the attention kernel's
+save/restore counter.  The pool, that counter and the SIMD switch are handed
+over once by address (:func:`set_runtime`), as for ``fastattn._proj``.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uintptr_t
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+
+cnp.import_array()
+
+cdef extern from "fa_rnn.h" nogil:
+    ctypedef void (*fa_sgemm_fn)(char *, char *, int *, int *, int *, float *, float *, int *,
+                                 float *, int *, float *, float *, int *)
+    ctypedef void (*fa_dgemm_fn)(char *, char *, int *, int *, int *, double *, double *, int *,
+                                 double *, int *, double *, double *, int *)
+    ctypedef struct fa_rnn_args:
+        int cell
+        int simd
+        int64_t B, T, H
+        const void *xw
+        int64_t xw_bs, xw_ts
+        const void *whh
+        int64_t ldw
+        const void *bhh
+        void *h
+        void *c
+        void *out
+        int64_t out_bs, out_ts
+        const int64_t *lengths
+        int reverse
+        int64_t small_m
+        fa_sgemm_fn sgemm
+        fa_dgemm_fn dgemm
+    ctypedef struct fa_cell_args:
+        int cell
+        int simd
+        int64_t B, H, nin
+        const void *x
+        int64_t ldx
+        const void *wih
+        int64_t ldwi
+        const void *bih
+        const void *whh
+        int64_t ldwh
+        const void *bhh
+        const void *h0
+        const void *c0
+        void *h1
+        void *c1
+        int64_t small_m
+        fa_sgemm_fn sgemm
+        fa_dgemm_fn dgemm
+    int fa_rnn_cell_f32(const fa_cell_args *a, int64_t u0, int64_t u1, float *scratch)
+    int fa_rnn_cell_f64(const fa_cell_args *a, int64_t u0, int64_t u1, double *scratch)
+    int fa_rnn_gates(int cell)
+    int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *scratch)
+    int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *scratch)
+
+cdef extern from "fa_proj.h" nogil:
+    int fa_proj_small_available()
+
+cdef extern from *:
+    """
+    static inline void fa_rnn_store_status(int *p, int v)
+    {
+    #if defined(__GNUC__) || defined(__clang__)
+        __atomic_store_n(p, v, __ATOMIC_RELAXED);
+    #else
+        *p = v;
+    #endif
+    }
+    """
+    void fa_rnn_store_status(int *p, int v) noexcept nogil
+
+ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
+ctypedef int (*stop_fn)(void *ctx) noexcept nogil
+ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
+                            stop_fn stop, void *stop_ctx) noexcept nogil
+ctypedef void *(*hold_enter_fn)() noexcept nogil
+ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
+ctypedef int (*simd_active_fn)() noexcept nogil
+
+cdef pool_run_fn g_pool_run = NULL
+cdef hold_enter_fn g_hold_enter = NULL
+cdef hold_exit_fn g_hold_exit = NULL
+cdef simd_active_fn g_simd_active = NULL
+
+CELLS = {"rnn_tanh": 0, "rnn_relu": 1, "gru": 2, "lstm": 3}
+
+# Blocking, measured on the 2-core AVX2 machine (GRU, H = 256): a block of at
+# least MIN_BLOCK_ROWS rows per task; two blocks a thread when there are
+# enough rows (a thread that the OS deschedules then holds up at most half of
+# its share); float32 blocks of at most SMALL_M rows use the few-row kernel of
+# csrc/fa_proj.c (W_hh read in place) instead of sgemm.
+cdef int g_min_block_rows = 4
+cdef int g_blocks_per_thread = 2
+cdef int g_small_m = 128
+# Below this many flops per step and row block a call stays on the calling thread.
+DEF PARALLEL_MIN_FLOPS = 200000.0
+# One step (cell): blocks of hidden units, at least CELL_MIN_UNITS each, two
+# blocks a thread; below CELL_PARALLEL_MIN_FLOPS a step stays on the calling thread.
+cdef int g_cell_min_units = 32
+DEF CELL_PARALLEL_MIN_FLOPS = 400000.0
+
+
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
+                uintptr_t simd_active=0):
+    """Install fastattn._kernels' pool, BLAS hold and SIMD switch (C addresses); 0s uninstall."""
+    global g_pool_run, g_hold_enter, g_hold_exit, g_simd_active
+    g_simd_active = <simd_active_fn>simd_active if simd_active else NULL
+    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
+        g_pool_run = NULL
+        g_hold_enter = NULL
+        g_hold_exit = NULL
+        return
+    g_hold_enter = <hold_enter_fn>hold_enter
+    g_hold_exit = <hold_exit_fn>hold_exit
+    g_pool_run = <pool_run_fn>pool_run
+
+
+def runtime_installed():
+    return g_pool_run != NULL
+
+
+def simd_active():
+    """True when the gates use the AVX2 code (fastattn's dispatch, FASTATTN_DISABLE_SIMD)."""
+    return g_simd_active != NULL and g_simd_active() != 0
+
+
+def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None):
+    """Change the blocking parameters (for tuning sweeps); returns the previous ones."""
+    global g_min_block_rows, g_blocks_per_thread, g_small_m
+    prev = dict(min_block_rows=g_min_block_rows, blocks_per_thread=g_blocks_per_thread,
+                small_m=g_small_m)
+    if min_block_rows is not None:
+        g_min_block_rows = max(1, int(min_block_rows))
+    if blocks_per_thread is not None:
+        g_blocks_per_thread = max(1, int(blocks_per_thread))
+    if small_m is not None:
+        g_small_m = max(0, int(small_m))
+    return prev
+
+
+ctypedef struct scan_ctx:
+    fa_rnn_args a
+    int f32
+    int64_t rows           # rows per block
+    char *scratch          # B * G * H elements; block i uses rows [i * rows, ...)
+    int64_t gh             # G * H
+    int status
+
+
+cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef scan_ctx *c = <scan_ctx *>vctx
+    cdef int64_t b0 = t * c.rows
+    cdef int64_t b1 = b0 + c.rows
+    cdef int rc
+    if b1 > c.a.B:
+        b1 = c.a.B
+    if b0 >= b1:
+        return
+    if c.f32:
+        rc = fa_rnn_f32(&c.a, b0, b1, <float *>c.scratch + b0 * c.gh)
+    else:
+        rc = fa_rnn_f64(&c.a, b0, b1, <double *>c.scratch + b0 * c.gh)
+    if rc != 0:
+        fa_rnn_store_status(&c.status, rc)
+
+
+def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, object c,
+         object out, object lengths, bint reverse, int n_threads):
+    """Run one layer and direction over all time steps.
+
+    xw: (B, T, G*H) input projections (b_ih included), last axis contiguous,
+    any batch / time strides; whh: (G*H, H) rows contiguous (row stride >= H);
+    bhh: (G*H,) contiguous or None; h: (B, H) C-contiguous, the initial state,
+    overwritten with the final one; c: the same for LSTM, else None; out:
+    (B, T, H) with last axis contiguous, or None; lengths: (B,) int64
+    contiguous with values in [0, T], or None.  One float dtype throughout;
+    B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks.
+    """
+    cdef scan_ctx s
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(xw)
+    cdef int64_t B = cnp.PyArray_DIMS(xw)[0]
+    cdef int64_t T = cnp.PyArray_DIMS(xw)[1]
+    cdef int64_t H = cnp.PyArray_DIMS(h)[1]
+    cdef int G = fa_rnn_gates(cell)
+    cdef int nt = n_threads if n_threads > 0 else 1
+    cdef int64_t nblocks, t
+    cdef void *hook = NULL
+    cdef cnp.ndarray scratch
+    if G == 0:
+        raise ValueError(f"cell: unknown code {cell}")
+    s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
+    s.a.cell = cell
+    s.a.simd = g_simd_active != NULL and g_simd_active() != 0
+    s.a.B = B
+    s.a.T = T
+    s.a.H = H
+    s.a.xw = cnp.PyArray_DATA(xw)
+    s.a.xw_bs = cnp.PyArray_STRIDES(xw)[0] // item
+    s.a.xw_ts = cnp.PyArray_STRIDES(xw)[1] // item
+    s.a.whh = cnp.PyArray_DATA(whh)
+    s.a.ldw = H if cnp.PyArray_DIMS(whh)[0] <= 1 else cnp.PyArray_STRIDES(whh)[0] // item
+    s.a.bhh = NULL if bhh is None else cnp.PyArray_DATA(<cnp.ndarray>bhh)
+    s.a.h = cnp.PyArray_DATA(h)
+    s.a.c = NULL if c is None else cnp.PyArray_DATA(<cnp.ndarray>c)
+    if out is None:
+        s.a.out = NULL
+        s.a.out_bs = 0
+        s.a.out_ts = 0
+    else:
+        s.a.out = cnp.PyArray_DATA(<cnp.ndarray>out)
+        s.a.out_bs = cnp.PyArray_STRIDES(<cnp.ndarray>out)[0] // item
+        s.a.out_ts = cnp.PyArray_STRIDES(<cnp.ndarray>out)[1] // item
+    if lengths is None:
+        s.a.lengths = NULL
+    else:
+        s.a.lengths = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>lengths)
+    s.a.reverse = reverse
+    s.a.small_m = g_small_m
+    s.a.sgemm = <fa_sgemm_fn>sgemm
+    s.a.dgemm = <fa_dgemm_fn>dgemm
+    s.gh = <int64_t>G * H
+    s.status = 0
+    # row blocks
+    if g_pool_run == NULL or nt <= 1 or B < 2 or 2.0 * B * s.gh * H < PARALLEL_MIN_FLOPS * 2:
+        nblocks = 1
+    else:
+        nblocks = <int64_t>nt * g_blocks_per_thread
+        if nblocks * g_min_block_rows > B:
+            nblocks = nt
+        if nblocks > B:
+            nblocks = B
+    s.rows = (B + nblocks - 1) // nblocks
+    if s.rows > 4:
+        s.rows = (s.rows + 3) // 4 * 4   # the few-row kernel takes rows 4 at a time
+    nblocks = (B + s.rows - 1) // s.rows
+    scratch = cnp.PyArray_EMPTY(1, [B * s.gh], cnp.PyArray_TYPE(xw), 0)
+    s.scratch = <char *>cnp.PyArray_DATA(scratch)
+    with nogil:
+        if g_hold_enter != NULL:
+            hook = g_hold_enter()
+        if nblocks > 1:
+            g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _task, &s, NULL, NULL)
+        else:
+            _task(&s, 0, 0)
+        if g_hold_enter != NULL:
+            g_hold_exit(hook)
+    if s.status != 0:
+        raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
+                           f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")
+    return nblocks
+
+
+ctypedef struct cell_ctx:
+    fa_cell_args a
+    int f32
+    int64_t units          # hidden units per block
+    int64_t per            # scratch elements per block
+    char *scratch
+    int status
+
+
+cdef void _cell_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef cell_ctx *c = <cell_ctx *>vctx
+    cdef int64_t u0 = t * c.units
+    cdef int64_t u1 = u0 + c.units
+    cdef int rc
+    if u1 > c.a.H:
+        u1 = c.a.H
+    if u0 >= u1:
+        return
+    if c.f32:
+        rc = fa_rnn_cell_f32(&c.a, u0, u1, <float *>c.scratch + t * c.per)
+    else:
+        rc = fa_rnn_cell_f64(&c.a, u0, u1, <double *>c.scratch + t * c.per)
+    if rc != 0:
+        fa_rnn_store_status(&c.status, rc)
+
+
+def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, object bhh,
+         cnp.ndarray h0, object c0, cnp.ndarray h1, object c1, int n_threads):
+    """One step for all rows: h1 (and c1) from x (B, I) and h0 (and c0) (B, H).
+
+    x: rows contiguous, row stride >= I; wih (G*H, I), whh (G*H, H): rows
+    contiguous; bih, bhh: (G*H,) contiguous or None; h0, c0, h1, c1: (B, H)
+    C-contiguous, h1 / c1 not overlapping h0 / c0; c0, c1 only for LSTM.  One
+    float dtype; B, H, I >= 1 and within int.  Returns the number of blocks.
+    """
+    cdef cell_ctx s
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
+    cdef int64_t B = cnp.PyArray_DIMS(x)[0]
+    cdef int64_t nin = cnp.PyArray_DIMS(x)[1]
+    cdef int64_t H = cnp.PyArray_DIMS(h0)[1]
+    cdef int G = fa_rnn_gates(cell)
+    cdef int nt = n_threads if n_threads > 0 else 1
+    cdef int64_t nblocks
+    cdef void *hook = NULL
+    cdef cnp.ndarray scratch
+    if G == 0:
+        raise ValueError(f"cell: unknown code {cell}")
+    s.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
+    s.a.cell = cell
+    s.a.simd = g_simd_active != NULL and g_simd_active() != 0
+    s.a.B = B
+    s.a.H = H
+    s.a.nin = nin
+    s.a.x = cnp.PyArray_DATA(x)
+    s.a.ldx = nin if B <= 1 else cnp.PyArray_STRIDES(x)[0] // item
+    s.a.wih = cnp.PyArray_DATA(wih)
+    s.a.ldwi = nin if cnp.PyArray_DIMS(wih)[0] <= 1 else cnp.PyArray_STRIDES(wih)[0] // item
+    s.a.bih = NULL if bih is None else cnp.PyArray_DATA(<cnp.ndarray>bih)
+    s.a.whh = cnp.PyArray_DATA(whh)
+    s.a.ldwh = H if cnp.PyArray_DIMS(whh)[0] <= 1 else cnp.PyArray_STRIDES(whh)[0] // item
+    s.a.bhh = NULL if bhh is None else cnp.PyArray_DATA(<cnp.ndarray>bhh)
+    s.a.h0 = cnp.PyArray_DATA(h0)
+    s.a.c0 = NULL if c0 is None else cnp.PyArray_DATA(<cnp.ndarray>c0)
+    s.a.h1 = cnp.PyArray_DATA(h1)
+    s.a.c1 = NULL if c1 is None else cnp.PyArray_DATA(<cnp.ndarray>c1)
+    s.a.small_m = g_small_m
+    s.a.sgemm = <fa_sgemm_fn>sgemm
+    s.a.dgemm = <fa_dgemm_fn>dgemm
+    s.status = 0
+    if g_pool_run == NULL or nt <= 1 or 2.0 * B * G * H * (nin + H) < CELL_PARALLEL_MIN_FLOPS:
+        nblocks = 1
+    else:
+        nblocks = <int64_t>nt * g_blocks_per_thread
+        if nblocks * g_cell_min_units > H:
+            nblocks = H // g_cell_min_units
+        if nblocks < 1:
+            nblocks = 1
+    s.units = (H + nblocks - 1) // nblocks
+    if nblocks > 1:
+        s.units = (s.units + 7) // 8 * 8   # whole AVX2 vectors of units
+    nblocks = (H + s.units - 1) // s.units
+    s.per = 2 * B * G * s.units
+    scratch = cnp.PyArray_EMPTY(1, [nblocks * s.per], cnp.PyArray_TYPE(x), 0)
+    s.scratch = <char *>cnp.PyArray_DATA(scratch)
+    with nogil:
+        if g_hold_enter != NULL:
+            hook = g_hold_enter()
+        if nblocks > 1:
+            g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _cell_task, &s, NULL, NULL)
+        else:
+            _cell_task(&s, 0, 0)
+        if g_hold_enter != NULL:
+            g_hold_exit(hook)
+    if s.status != 0:
+        raise RuntimeError(f"fastattn._rnn: the cell kernel rejected its arguments "
+                           f"(status {s.status}; B={B}, H={H}, I={nin}, cell={cell})")
+    return nblocks
