@@ -23,6 +23,7 @@ not take part in the dtype promotion).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -38,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - only while the extension is not built
     _scores = None
 
-__all__ = ["attention", "attention_path", "SimilarityError"]
+__all__ = ["attention", "attention_path", "PreparedAttention", "SimilarityError"]
 
 # NumPy tiled path: scores of PY_BLOCK_Q x PY_BLOCK_K at a time (64 KiB in
 # float64).  Measured with tracemalloc at 1 x 1024 x 1024 keys, d = 64:
@@ -115,6 +116,7 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
     c.params = sim.check_params(params, d_q, d_k, p.cdt)
     c.attn_mask = attn_mask
     c.causal_alignment = causal_alignment
+    c.kcache = None  # a PreparedAttention's list: (projected keys, packed v) once computed
     if lower:
         c.q = canonical_matrix_stack(q, p.cdt)
         c.k = canonical_matrix_stack(k, p.cdt)
@@ -154,6 +156,72 @@ def attention_path(query, key, value, similarity="dot", *, params=None, attn_mas
                           return_weights, causal_alignment, out, n_threads, lower=False))
 
 
+class PreparedAttention:
+    """Attention of changing queries over one fixed memory (decoding).
+
+    ``PreparedAttention(key, value, similarity, params=..., attn_mask=...)``
+    then ``prep(query)`` is ``attention(query, key, value, similarity,
+    params=..., attn_mask=...)``, with the work that depends only on the
+    memory done once: the argument checks and canonical buffers are made on
+    the first call for each query shape and dtype and reused afterwards, and
+    the fused additive / concat path projects and pads the keys once.  A
+    decoder step at B = 1 over 64 source tokens spends most of a plain
+    :func:`attention` call in those checks.
+
+    Parameters are those of :func:`attention` (no ``is_causal``: the memory
+    is attended as a whole; no ``out``).  ``n_threads`` is resolved at each
+    call (None follows :func:`fastattn.get_num_threads`).
+
+    ``key``, ``value``, ``attn_mask`` and ``params`` are referenced, not
+    copied, when they already have the compute dtype and layout: do not
+    modify them while the object is in use.  Queries of a new shape or dtype
+    are validated in full, like any :func:`attention` call.
+    """
+
+    _MAX_SIGNATURES = 16
+
+    def __init__(self, key, value, similarity="dot", *, params=None, attn_mask=None,
+                 n_threads=None):
+        self.similarity = get_similarity(similarity)
+        self.key = as_array(key, "key")
+        self.value = as_array(value, "value")
+        self.params = params
+        self.attn_mask = attn_mask
+        self.n_threads = n_threads
+        self._calls = {}
+
+    def __call__(self, query, *, return_weights=False):
+        """``(..., Lq, d_q)`` queries -> output (and weights), as :func:`attention`."""
+        q = query if isinstance(query, np.ndarray) else as_array(query, "query")
+        if not isinstance(return_weights, (bool, np.bool_)):
+            raise TypeError(f"return_weights: expected a bool, got {type(return_weights).__name__}")
+        nt = _threads.resolve(self.n_threads)
+        sig = (q.shape, q.dtype.str, bool(return_weights), nt)
+        t = self._calls.get(sig)
+        if t is None:
+            t = _prepare(q, self.key, self.value, self.similarity, self.params, self.attn_mask,
+                         False, bool(return_weights), "top_left", None, nt)
+            t.kcache = []
+            if len(self._calls) >= self._MAX_SIGNATURES:
+                self._calls.clear()
+            self._calls[sig] = t
+            r = _execute(t)
+            t.q = t.lowered = None  # the copies get their own; do not keep this query alive
+            return r
+        p = t.p
+        if t.kcache:  # the fused additive kernel with the keys projected and padded
+            wq, b, kx, packed, bq, nt_k = t.kcache
+            qx = _project(canonical_matrix_stack(q, p.cdt), wq, b, p.cdt, nt_k)
+            res = np.empty(p.batch + (p.Lq, p.dv), dtype=p.cdt)
+            weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
+            _launch_additive(t, qx, kx, p.v, res, weights, bq, nt_k, _scores.SCORE_ADDITIVE, 0, packed)
+            return _finish(p, res, weights)
+        c = copy.copy(t)
+        c.q = canonical_matrix_stack(q, p.cdt)
+        c.lowered = None if isinstance(c.sim, CompiledSimilarity) else c.sim._lower(c.q, c.k, c.params)
+        return _execute(c)
+
+
 def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
               is_causal=False, return_weights=False, causal_alignment="top_left",
               out=None, n_threads=None):
@@ -184,8 +252,11 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
     -------
     ndarray (..., Lq, dv), or ``(output, weights)`` with weights (..., Lq, Lk).
     """
-    c = _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
-                 causal_alignment, out, n_threads)
+    return _execute(_prepare(query, key, value, similarity, params, attn_mask, is_causal,
+                             return_weights, causal_alignment, out, n_threads))
+
+
+def _execute(c):
     path = _path(c)
     if path == "sdpa":
         return _run_sdpa(c)
@@ -578,8 +649,16 @@ def _run_fused(c, res, weights):
     nb = math.prod(p.batch)
     while nt > 1 and bq > 8 and nb * -(-p.Lq // bq) < 2 * nt:
         bq = (bq + 1) // 2
+    if c.kcache is not None and kind == _scores.SCORE_ADDITIVE and res_k is res:
+        # a PreparedAttention's signature: everything but the queries is fixed
+        c.kcache[:] = (wq, b, kx, packed, bq, nt)
+    _launch_additive(c, qx, kx, v, res_k, weights, bq, nt, kind, fn, packed)
+
+
+def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed):
+    p = c.p
     _scores.sync_simd(_functional._kernels.simd_active())
-    rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res_k, weights, p.batch,
+    rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res, weights, p.batch,
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
                                       packed, kind == _scores.SCORE_PLUGIN)
     if rc:

@@ -479,10 +479,11 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
-from ._attention import attention  # noqa: E402,F401  (similarity registry, issue 5)
+from ._attention import PreparedAttention, attention  # noqa: E402,F401  (similarity registry, issue 5)
 from ._linear import linear  # noqa: E402,F401  (layers, issue 6)
+from ._recurrence import rnn_cell, rnn_scan  # noqa: E402,F401  (the RNN layers' time loop)
 
 # Multi-head attention (projections + this module's SDPA) lives in its own module.
 from ._multihead import multi_head_attention  # noqa: E402
 
-__all__ += ["multi_head_attention"]
+__all__ += ["multi_head_attention", "attention", "PreparedAttention", "linear", "rnn_scan", "rnn_cell"]

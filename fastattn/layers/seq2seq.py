@@ -50,6 +50,7 @@ class Memory(NamedTuple):
     similarity: object           # the similarity that scores against ``keys``
     params: dict | None          # its parameters
     mask: np.ndarray | None      # (B, 1, S) bool, True = real source token
+    attend: object = None        # F.PreparedAttention over (keys, values, mask), made by precompute
 
 
 class DecodeResult(NamedTuple):
@@ -141,10 +142,13 @@ class AttentionDecoder(Layer):
         raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
         params = self.similarity.check_params(raw or None, self.hidden_size, self.memory_dim, ct)
         sim, sparams, keys = self.similarity.precompute_keys(memory.astype(ct, copy=False), params)
-        return Memory(memory, keys, sim, sparams, mask)
+        return Memory(memory, keys, sim, sparams, mask,
+                      F.PreparedAttention(keys, memory, sim, params=sparams, attn_mask=mask))
 
     def _attend(self, query, mem: Memory):
         """query (B, Lq, H) → context (B, Lq, D), weights (B, Lq, S)."""
+        if mem.attend is not None:
+            return mem.attend(query, return_weights=True)
         return F.attention(query, mem.keys, mem.values, mem.similarity, params=mem.params,
                            attn_mask=mem.mask, return_weights=True)
 
@@ -316,17 +320,25 @@ class Seq2Seq(Layer):
         done = np.zeros(B, bool)
         y = np.full(B, self.bos_id, np.int64)
         rows = np.arange(B)
+        any_done = False
         for t in range(max_len):
             logits, state, w = self.decoder.step(y, state, mem)
             lp = log_softmax(logits, axis=-1)
             y = np.argmax(lp, axis=-1)
-            live = ~done
-            tokens[live, t] = y[live]
-            aligns[live, t] = w[live]
-            scores[live] += lp[rows, y][live]
-            lengths_out[live] += 1
+            if any_done:
+                live = ~done
+                tokens[live, t] = y[live]
+                aligns[live, t] = w[live]
+                scores[live] += lp[rows, y][live]
+                lengths_out[live] += 1
+            else:  # every sequence still running (plain slices: a B = 1 step is ~150 us)
+                tokens[:, t] = y
+                aligns[:, t] = w
+                scores += lp[rows, y]
+                lengths_out += 1
             done |= y == self.eos_id
-            if done.all():
+            any_done = done.any()
+            if any_done and done.all():
                 break
         return DecodeResult(tokens, lengths_out, scores, aligns)
 
@@ -344,8 +356,10 @@ class Seq2Seq(Layer):
         B, S = mem.values.shape[:2]
         V = self.decoder.vocab_size
         rep = np.repeat(np.arange(B), K)
-        mem = Memory(mem.values[rep], mem.keys[rep], mem.similarity, mem.params,
-                     None if mem.mask is None else mem.mask[rep])
+        values, keys = mem.values[rep], mem.keys[rep]
+        mask = None if mem.mask is None else mem.mask[rep]
+        mem = Memory(values, keys, mem.similarity, mem.params, mask,
+                     F.PreparedAttention(keys, values, mem.similarity, params=mem.params, attn_mask=mask))
         state = tuple(s[:, rep] for s in state) if isinstance(state, tuple) else state[:, rep]
         scores = np.full((B, K), -np.inf)
         scores[:, 0] = 0.0
