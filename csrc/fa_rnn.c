@@ -10,6 +10,7 @@
  * otherwise; the sigmoid is 1 / (1 + exp(-x)).  No -ffast-math: NaN
  * propagates.
  */
+#define _POSIX_C_SOURCE 200112L
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
@@ -404,5 +405,114 @@ int fa_rnn_cell_f64(const fa_cell_args *a, int64_t u0, int64_t u1, double *scrat
         return FA_RNN_EINVAL;
     const row_f64_fn row = pick_f64(a->cell, a->simd);
     CELL_BODY(double, prod_f64, row)
+    return 0;
+}
+
+/* ------------------------------------------------------- unit-split scan */
+
+#if FA_RNN_AVX2
+#define FA_SPIN_PAUSE() _mm_pause()
+#else
+#define FA_SPIN_PAUSE() ((void)0)
+#endif
+#include <sched.h>
+
+static void wait_step_done(const int *done, int64_t nb)
+{
+    unsigned spins = 0;
+    while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < nb) {
+        FA_SPIN_PAUSE();
+        if (++spins > 4096) { /* the partner was descheduled mid-block */
+            sched_yield();
+            spins = 0;
+        }
+    }
+}
+
+/* Block j of step s: units [u0, u1) of h_s from the whole of h_{s-1}. */
+#define SPLIT_BLOCK(TY, PROD, ROW)                                                            \
+    {                                                                                         \
+        const int64_t u0 = j * sp->units;                                                    \
+        const int64_t u1 = u0 + sp->units < H ? u0 + sp->units : H, nu = u1 - u0;           \
+        const int64_t t = a->reverse ? T - 1 - s : s;                                         \
+        const TY *hp = hb + ((s + 1) & 1) * B * H;                                            \
+        TY *hn = hb + (s & 1) * B * H;                                                        \
+        TY *GI = scratch, *GHs = scratch + B * G * nu;                                        \
+        int64_t live = B;                                                                     \
+        if (a->lengths) {                                                                     \
+            live = 0;                                                                         \
+            for (int64_t r = 0; r < B; r++)                                                   \
+                live += t < a->lengths[r];                                                    \
+        }                                                                                     \
+        if (live)                                                                             \
+            for (int64_t g = 0; g < G; g++)                                                   \
+                PROD(&ca, B, nu, H, hp, H, whh + (g * H + u0) * a->ldw, a->ldw,              \
+                     bhh ? bhh + g * H + u0 : NULL, GHs + g * nu, G * nu);                   \
+        for (int64_t r = 0; r < B; r++) {                                                     \
+            TY *o = out ? out + r * a->out_bs + t * a->out_ts + u0 : NULL;                    \
+            memcpy(hn + r * H + u0, hp + r * H + u0, (size_t)nu * sizeof(TY));                \
+            if (a->lengths && t >= a->lengths[r]) {                                           \
+                if (o)                                                                        \
+                    memset(o, 0, (size_t)nu * sizeof(TY));                                    \
+                continue;                                                                     \
+            }                                                                                 \
+            const TY *xr = xw + r * a->xw_bs + t * a->xw_ts;                                  \
+            for (int64_t g = 0; g < G; g++)                                                   \
+                memcpy(GI + r * G * nu + g * nu, xr + g * H + u0, (size_t)nu * sizeof(TY));   \
+            ROW(0, nu, GI + r * G * nu, GHs + r * G * nu, hn + r * H + u0,                    \
+                c ? c + r * H + u0 : NULL);                                                   \
+            if (o)                                                                            \
+                memcpy(o, hn + r * H + u0, (size_t)nu * sizeof(TY));                          \
+        }                                                                                     \
+    }
+
+#define SPLIT_LOOP(TY, PROD, ROW)                                                             \
+    const int64_t G = fa_rnn_gates(a->cell), H = a->H, B = a->B, T = a->T, nb = sp->nb;     \
+    const TY *xw = (const TY *)a->xw, *whh = (const TY *)a->whh, *bhh = (const TY *)a->bhh;  \
+    TY *hb = (TY *)sp->hbuf, *c = (TY *)a->c, *out = (TY *)a->out;                            \
+    fa_cell_args ca; /* what prod_* reads: simd, small_m and the gemms */                     \
+    memset(&ca, 0, sizeof ca);                                                                \
+    ca.simd = a->simd;                                                                        \
+    ca.small_m = a->small_m;                                                                  \
+    ca.sgemm = a->sgemm;                                                                      \
+    ca.dgemm = a->dgemm;                                                                      \
+    for (int64_t s = 0; s < T; s++) {                                                         \
+        if (s > 0)                                                                            \
+            wait_step_done(&sp->done[s - 1], nb);                                             \
+        for (int64_t q = 0; q < nb; q++) {                                                    \
+            const int64_t j = (prefer + q) % nb;                                              \
+            if (__atomic_exchange_n(&sp->claimed[s * nb + j], 1, __ATOMIC_ACQ_REL))           \
+                continue;                                                                     \
+            SPLIT_BLOCK(TY, PROD, ROW)                                                        \
+            __atomic_add_fetch(&sp->done[s], 1, __ATOMIC_RELEASE);                            \
+        }                                                                                     \
+    }
+
+static int check_split(const fa_rnn_args *a, const fa_rnn_split *sp)
+{
+    if (check_args(a, 0, a ? a->B : 0) || !sp || sp->nb < 1 || sp->units < 1 ||
+        sp->nb * sp->units < a->H || (sp->nb - 1) * sp->units >= a->H || !sp->claimed ||
+        !sp->done || !sp->hbuf)
+        return FA_RNN_EINVAL;
+    return 0;
+}
+
+int fa_rnn_split_f32(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, float *scratch)
+{
+    if (check_split(a, sp) || !scratch || prefer < 0)
+        return FA_RNN_EINVAL;
+    if (!(a->simd && a->B <= a->small_m && fa_proj_small_available()) && !a->sgemm)
+        return FA_RNN_EINVAL;
+    const row_f32_fn row = pick_f32(a->cell, a->simd);
+    SPLIT_LOOP(float, prod_f32, row)
+    return 0;
+}
+
+int fa_rnn_split_f64(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, double *scratch)
+{
+    if (check_split(a, sp) || !scratch || prefer < 0 || !a->dgemm)
+        return FA_RNN_EINVAL;
+    const row_f64_fn row = pick_f64(a->cell, a->simd);
+    SPLIT_LOOP(double, prod_f64, row)
     return 0;
 }

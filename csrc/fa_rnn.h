@@ -87,6 +87,27 @@ typedef struct {
 int fa_rnn_cell_f32(const fa_cell_args *a, int64_t u0, int64_t u1, float *scratch);
 int fa_rnn_cell_f64(const fa_cell_args *a, int64_t u0, int64_t u1, double *scratch);
 
+/* The same recurrence with the hidden units split instead of the rows, for
+ * few rows (a B = 1 encoder): every step is cut into nb blocks of units;
+ * threads claim blocks (their own first: slot % nb), and a step starts only
+ * when every block of the previous one is done.  A thread that finds no
+ * partner claims every block itself, so any number of threads (one
+ * included) completes the call -- the worker pool may start the tasks late
+ * or one after the other.  Shared state (zeroed by the caller): claimed
+ * (T * nb bytes), done (T ints); hbuf: two (B, H) buffers, the second holding
+ * the initial state (step s reads buffer (s + 1) % 2 and writes s % 2, so the
+ * final state is in buffer (T - 1) % 2); a->c is updated in place (LSTM);
+ * a->h is not used.  scratch: 2 * B * G * units elements per thread. */
+typedef struct {
+    int64_t nb, units;            /* blocks per step, units per block (the last may be shorter) */
+    unsigned char *claimed;
+    int *done;
+    void *hbuf;
+} fa_rnn_split;
+
+int fa_rnn_split_f32(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, float *scratch);
+int fa_rnn_split_f64(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, double *scratch);
+
 /* Number of gates G for a cell (0 for an unknown cell). */
 int fa_rnn_gates(int cell);
 

@@ -63,6 +63,13 @@ cdef extern from "fa_rnn.h" nogil:
         fa_dgemm_fn dgemm
     int fa_rnn_cell_f32(const fa_cell_args *a, int64_t u0, int64_t u1, float *scratch)
     int fa_rnn_cell_f64(const fa_cell_args *a, int64_t u0, int64_t u1, double *scratch)
+    ctypedef struct fa_rnn_split:
+        int64_t nb, units
+        unsigned char *claimed
+        int *done
+        void *hbuf
+    int fa_rnn_split_f32(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, float *scratch)
+    int fa_rnn_split_f64(const fa_rnn_args *a, fa_rnn_split *sp, int64_t prefer, double *scratch)
     int fa_rnn_gates(int cell)
     int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *scratch)
     int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *scratch)
@@ -106,6 +113,12 @@ CELLS = {"rnn_tanh": 0, "rnn_relu": 1, "gru": 2, "lstm": 3}
 cdef int g_min_block_rows = 4
 cdef int g_blocks_per_thread = 2
 cdef int g_small_m = 128
+# Fewer rows than n_threads * min_block_rows: split the units of each step
+# instead (fa_rnn_split_*), when the units make blocks of at least
+# SPLIT_MIN_UNITS and a step is worth SPLIT_MIN_FLOPS.
+cdef int g_split = 1
+cdef int g_split_min_units = 32
+DEF SPLIT_MIN_FLOPS = 100000.0
 # Below this many flops per step and row block a call stays on the calling thread.
 DEF PARALLEL_MIN_FLOPS = 200000.0
 # One step (cell): blocks of hidden units, at least CELL_MIN_UNITS each, two
@@ -138,11 +151,13 @@ def simd_active():
     return g_simd_active != NULL and g_simd_active() != 0
 
 
-def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None):
+def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None):
     """Change the blocking parameters (for tuning sweeps); returns the previous ones."""
-    global g_min_block_rows, g_blocks_per_thread, g_small_m
+    global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split
     prev = dict(min_block_rows=g_min_block_rows, blocks_per_thread=g_blocks_per_thread,
-                small_m=g_small_m)
+                small_m=g_small_m, split=bool(g_split))
+    if split is not None:
+        g_split = 1 if split else 0
     if min_block_rows is not None:
         g_min_block_rows = max(1, int(min_block_rows))
     if blocks_per_thread is not None:
@@ -159,6 +174,9 @@ ctypedef struct scan_ctx:
     char *scratch          # B * G * H elements; block i uses rows [i * rows, ...)
     int64_t gh             # G * H
     int status
+    int split              # units split (fa_rnn_split_*) instead of rows
+    fa_rnn_split sp
+    int64_t per            # split: scratch elements per task
 
 
 cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -166,6 +184,14 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef int64_t b0 = t * c.rows
     cdef int64_t b1 = b0 + c.rows
     cdef int rc
+    if c.split:
+        if c.f32:
+            rc = fa_rnn_split_f32(&c.a, &c.sp, t, <float *>c.scratch + t * c.per)
+        else:
+            rc = fa_rnn_split_f64(&c.a, &c.sp, t, <double *>c.scratch + t * c.per)
+        if rc != 0:
+            fa_rnn_store_status(&c.status, rc)
+        return
     if b1 > c.a.B:
         b1 = c.a.B
     if b0 >= b1:
@@ -188,7 +214,8 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     overwritten with the final one; c: the same for LSTM, else None; out:
     (B, T, H) with last axis contiguous, or None; lengths: (B,) int64
     contiguous with values in [0, T], or None.  One float dtype throughout;
-    B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks.
+    B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks,
+    or minus the number of threads when the units were split instead.
     """
     cdef scan_ctx s
     cdef int64_t item = cnp.PyArray_ITEMSIZE(xw)
@@ -234,6 +261,34 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     s.a.dgemm = <fa_dgemm_fn>dgemm
     s.gh = <int64_t>G * H
     s.status = 0
+    cdef cnp.ndarray claimed, done, hbuf
+    s.split = 0
+    if (g_split and g_pool_run != NULL and nt > 1 and T > 1 and B < <int64_t>nt * g_min_block_rows
+            and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
+        # few rows: split the units of every step (see fa_rnn.h)
+        s.split = 1
+        s.sp.nb = nt
+        s.sp.units = ((H + nt - 1) // nt + 7) // 8 * 8
+        s.sp.nb = (H + s.sp.units - 1) // s.sp.units
+        claimed = cnp.PyArray_ZEROS(1, [T * s.sp.nb], cnp.NPY_UINT8, 0)
+        done = cnp.PyArray_ZEROS(1, [T], cnp.NPY_INT32, 0)
+        hbuf = cnp.PyArray_EMPTY(2, [2, B * H], cnp.PyArray_TYPE(xw), 0)
+        hbuf[1] = h.reshape(-1)
+        s.sp.claimed = <unsigned char *>cnp.PyArray_DATA(claimed)
+        s.sp.done = <int *>cnp.PyArray_DATA(done)
+        s.sp.hbuf = cnp.PyArray_DATA(hbuf)
+        s.per = 2 * B * G * s.sp.units
+        scratch = cnp.PyArray_EMPTY(1, [nt * s.per], cnp.PyArray_TYPE(xw), 0)
+        s.scratch = <char *>cnp.PyArray_DATA(scratch)
+        with nogil:
+            hook = g_hold_enter()
+            g_pool_run(nt, nt, _task, &s, NULL, NULL)
+            g_hold_exit(hook)
+        if s.status != 0:
+            raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
+                               f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")
+        h[...] = hbuf[(T - 1) % 2].reshape(B, H)
+        return -nt
     # row blocks
     if g_pool_run == NULL or nt <= 1 or B < 2 or 2.0 * B * s.gh * H < PARALLEL_MIN_FLOPS * 2:
         nblocks = 1

@@ -203,3 +203,41 @@ def test_layers_leave_the_given_state_alone(cls, rng):
     # and step() equals the first step of forward()
     np.testing.assert_allclose((st[0] if isinstance(st, tuple) else st)[-1], out[:, 0],
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cell", sorted(CELLS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,H", [(1, 256), (3, 200), (7, 136)])
+@pytest.mark.parametrize("n_threads", [2, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_unit_split_matches_oracle(simd_mode, cell, dtype, B, H, n_threads, reverse, rng):
+    """Few rows: the units of each step are split across threads (fa_rnn_split_*)."""
+    from fastattn import _rnn
+
+    T, G = 6, CELLS[cell][1]
+    xw = rng.standard_normal((B, T, G * H)).astype(dtype)
+    _, _, wh, bh = _weights(rng, cell, 1, H, dtype)
+    h0 = rng.standard_normal((B, H)).astype(dtype)
+    c0 = rng.standard_normal((B, H)).astype(dtype) if cell == "lstm" else None
+    lengths = rng.integers(0, T + 1, B) if B > 1 else None
+    F.rnn_scan(xw[:, :2], wh, bh, h0, cell=cell, c0=c0, n_threads=n_threads)  # runtime installed
+    out, h, c = F.rnn_scan(xw, wh, bh, h0, cell=cell, c0=c0, lengths=lengths, reverse=reverse,
+                           n_threads=n_threads)
+    ro, rh, rc = _ref_scan(cell, xw, wh, bh, h0, c0, lengths, reverse)
+    tol = TOL[dtype] * (4 if dtype == np.float32 else 1)
+    np.testing.assert_allclose(out, ro, rtol=tol, atol=tol)
+    np.testing.assert_allclose(h, rh, rtol=tol, atol=tol)
+    if cell == "lstm":
+        np.testing.assert_allclose(c, rc, rtol=tol, atol=tol)
+    # the kernel call itself reports the split (negative: threads)
+    hh = np.ascontiguousarray(h0)
+    cc = None if c0 is None else c0.copy()
+    assert _rnn.scan(_rnn.CELLS[cell], xw, wh, bh, hh, cc, None, None, False, n_threads) == -n_threads
+    prev = _rnn.set_tuning(split=False)
+    try:
+        hh2 = np.ascontiguousarray(h0)
+        cc2 = None if c0 is None else c0.copy()
+        assert _rnn.scan(_rnn.CELLS[cell], xw, wh, bh, hh2, cc2, None, None, False, n_threads) >= 1
+    finally:
+        _rnn.set_tuning(**prev)
+    np.testing.assert_allclose(hh, hh2, rtol=tol, atol=tol)
