@@ -78,8 +78,12 @@ cdef int g_blocks_per_thread = 2
 cdef int g_min_block_rows = 64
 cdef int g_min_block_cols = 128
 cdef int g_small_m = 128
-# Below this many flops a call runs on the calling thread alone.
+# Below this many flops a call runs on the calling thread alone -- unless the
+# weights have PARALLEL_MIN_WEIGHTS elements or more: a few-row product reads
+# all of them once, from L3 or memory, and two cores read twice as fast (one
+# row x (1000, 256) float32, 1 MB: 20 us on one thread, see _linear.py).
 DEF PARALLEL_MIN_FLOPS = 2000000.0
+DEF PARALLEL_MIN_WEIGHTS = 131072
 
 
 def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None):
@@ -257,7 +261,8 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
         c.M = M
     c.xbs = xbs
     c.ybs = ybs
-    if g_pool_run == NULL or 2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS:
+    if g_pool_run == NULL or (2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS
+                              and <int64_t>c.N * c.K < PARALLEL_MIN_WEIGHTS):
         nt = 1
     target = <int64_t>g_blocks_per_thread * nt if nt > 1 else 1
     c.mb, c.nbm, c.cb, c.nbc = c.M, 1, c.N, 1

@@ -327,3 +327,25 @@ def test_luong_general_against_torch(rng):
     logits, al = m(src, tgt, mask, return_alignments=True)
     assert_close(logits, want.numpy())
     assert_close(al, a.numpy())
+
+
+def test_greedy_log_probabilities_in_batches_of_steps(rng, monkeypatch):
+    """greedy_decode turns logits into log-probabilities a batch of steps at a time
+    (seq2seq._LOGIT_BATCH numbers); one step at a time gives the same result."""
+    from fastattn.layers import seq2seq
+
+    m = make_model("bahdanau", "additive")
+    src, mask, _ = batch(rng)
+    whole = m.greedy_decode(src, mask, max_len=9)
+    monkeypatch.setattr(seq2seq, "_LOGIT_BATCH", 1)
+    single = m.greedy_decode(src, mask, max_len=9)
+    for a, b in zip(whole, single):
+        np.testing.assert_array_equal(a, b)
+    # the scores are the log-softmax of a teacher-forced pass at the chosen tokens
+    for b in range(src.shape[0]):
+        n = whole.lengths[b]
+        tgt_in = np.concatenate([[BOS], whole.tokens[b, :n - 1]])[None]
+        lg = m(src[b:b + 1], tgt_in, mask[b:b + 1])
+        lp = log_softmax(lg[0], -1)
+        np.testing.assert_allclose(whole.scores[b], lp[np.arange(n), whole.tokens[b, :n]].sum(),
+                                   rtol=1e-6)

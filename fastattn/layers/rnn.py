@@ -330,7 +330,11 @@ class _RNNBase(Layer):
         x = as_float_input(x, "x", (2,), last=self.input_size)
         B = x.shape[0]
         ct = np.result_type(x.dtype, self.dtype)
-        st = self._check_state(state, B, False, ct)
+        return self._step_checked(x, self._check_state(state, B, False, ct), ct)
+
+    def _step_checked(self, x, st, ct):
+        """step() after the checks: x (B, input_size), st the state as a list of
+        (num_layers, B, H) arrays ([h] or [h, c]) in dtype ct."""
         cell = self._scan_cell()
         hs, cs = [], []
         inp = x

@@ -61,6 +61,9 @@ class DecodeResult(NamedTuple):
 
 
 _STYLES = ("bahdanau", "luong")
+#: greedy_decode keeps the logits of up to this many numbers (4 MB of float32)
+#: before it turns them into log-probabilities, a batch of steps at a time
+_LOGIT_BATCH = 1 << 20
 
 
 class AttentionDecoder(Layer):
@@ -175,18 +178,33 @@ class AttentionDecoder(Layer):
         B = memory.values.shape[0]
         if tok.shape != (B,):
             raise ValueError(f"tokens: expected shape ({B},) (one token per batch item), got {tok.shape}")
-        e = self.embedding(tok)
+        return self._step(self.embedding(tok), state, memory, self.rnn.step)
+
+    def _step(self, e, state, memory, rnn_step):
         if self.style == "bahdanau":
             ctx, w = self._attend(self._top(state)[:, None, :], memory)
             x = np.concatenate([e.astype(ctx.dtype, copy=False), ctx[:, 0]], axis=-1)
-            s, state = self.rnn.step(x, state)
-            logits = self.out(s)
+            s, state = rnn_step(x, state)
+            logits = F.linear(s, self.out._params["weight"], self.out._params.get("bias"))
         else:
-            s, state = self.rnn.step(e, state)
+            s, state = rnn_step(e, state)
             ctx, w = self._attend(s[:, None, :], memory)
             ht = np.tanh(self.combine(np.concatenate([ctx[:, 0], s], axis=-1)))
-            logits = self.out(ht)
+            logits = F.linear(ht, self.out._params["weight"], self.out._params.get("bias"))
         return logits, state, w[:, 0]
+
+    def _step_trusted(self, tokens, state, memory: Memory):
+        """step() inside the decoding loops: tokens are int64 ids in range (bos_id
+        or picked from this decoder's logits) and state is what the previous step
+        (or Seq2Seq's bridge) returned, so neither is checked again."""
+        rnn = self.rnn
+        ct = np.result_type(memory.values.dtype, rnn.dtype)
+
+        def rnn_step(x, st):
+            parts = list(st) if isinstance(st, tuple) else [st]
+            return rnn._step_checked(x, [p.astype(ct, copy=False) for p in parts], ct)
+
+        return self._step(self.embedding.weight[tokens], state, memory, rnn_step)
 
     # ----------------------------------------------------- teacher forced
     def forward(self, tgt_in, state, memory: Memory):
@@ -309,37 +327,58 @@ class Seq2Seq(Layer):
 
     # ---------------------------------------------------------- decoding
     def greedy_decode(self, src, src_mask=None, *, lengths=None, max_len=50):
-        """Arg-max decoding from ``bos_id`` until ``eos_id`` or ``max_len`` tokens."""
+        """Arg-max decoding from ``bos_id`` until ``eos_id`` or ``max_len`` tokens:
+        each step takes the arg-max of the logits (the first index among equal
+        maxima); ``scores`` sums the log-softmax of the logits at the chosen tokens."""
         max_len = check_int(max_len, "max_len")
         mem, state = self.encode(src, src_mask, lengths)
         B, S = mem.values.shape[:2]
+        y = np.full(B, self.bos_id, np.int64)
+        done = np.zeros(B, bool)
+        ys, ws, lgs, lps = [], [], [], []
+        # per step only what the next step needs (the arg-max of the logits);
+        # log-probabilities are computed for several steps at once (up to
+        # _LOGIT_BATCH numbers of logits kept), lengths, padding after eos and
+        # scores once at the end (a B = 1 step is ~150 us, and the dozen small
+        # NumPy calls of that bookkeeping were ~40 us of it)
+        per_step = B * self.decoder.vocab_size
+
+        def flush():
+            if lgs:
+                lp = log_softmax(np.stack(lgs, axis=1), axis=-1)          # (B, n, V)
+                picked = np.stack(ys[len(ys) - len(lgs):], axis=1)[:, :, None]
+                lps.append(np.take_along_axis(lp, picked, axis=-1)[:, :, 0])
+                lgs.clear()
+
+        for t in range(max_len):
+            logits, state, w = self.decoder._step_trusted(y, state, mem)
+            y = np.argmax(logits, axis=-1)
+            ys.append(y)
+            ws.append(w)
+            lgs.append(logits)
+            if (len(lgs) + 1) * per_step > _LOGIT_BATCH:
+                flush()
+            if self.eos_id in y:
+                done |= y == self.eos_id
+                if done.all():
+                    break
+        flush()
+        L = len(ys)
         tokens = np.full((B, max_len), self.pad_id, np.int64)
         aligns = np.zeros((B, max_len, S), mem.values.dtype)
         scores = np.zeros(B, np.float64)
         lengths_out = np.zeros(B, np.int64)
-        done = np.zeros(B, bool)
-        y = np.full(B, self.bos_id, np.int64)
-        rows = np.arange(B)
-        any_done = False
-        for t in range(max_len):
-            logits, state, w = self.decoder.step(y, state, mem)
-            lp = log_softmax(logits, axis=-1)
-            y = np.argmax(lp, axis=-1)
-            if any_done:
-                live = ~done
-                tokens[live, t] = y[live]
-                aligns[live, t] = w[live]
-                scores[live] += lp[rows, y][live]
-                lengths_out[live] += 1
-            else:  # every sequence still running (plain slices: a B = 1 step is ~150 us)
-                tokens[:, t] = y
-                aligns[:, t] = w
-                scores += lp[rows, y]
-                lengths_out += 1
-            done |= y == self.eos_id
-            any_done = done.any()
-            if any_done and done.all():
-                break
+        if L:
+            gen = np.stack(ys, axis=1)                      # (B, L)
+            is_eos = gen == self.eos_id
+            ended = is_eos.any(axis=1)
+            lengths_out = np.where(ended, np.argmax(is_eos, axis=1) + 1, L).astype(np.int64)
+            live = np.arange(L)[None, :] < lengths_out[:, None]
+            tokens[:, :L] = np.where(live, gen, self.pad_id)
+            aligns[:, :L] = np.where(live[:, :, None], np.stack(ws, axis=1), 0)
+            lp_all = np.concatenate(lps, axis=1)                              # (B, L)
+            for t in range(L):  # in step order, as the running sum was
+                scores[live[:, t]] += lp_all[live[:, t], t]
         return DecodeResult(tokens, lengths_out, scores, aligns)
 
     def beam_search(self, src, src_mask=None, *, lengths=None, beam_size=4, max_len=50,
@@ -369,7 +408,7 @@ class Seq2Seq(Layer):
         lens = np.zeros((B, K), np.int64)
         y = np.full(B * K, self.bos_id, np.int64)
         for t in range(max_len):
-            logits, state, w = self.decoder.step(y, state, mem)
+            logits, state, w = self.decoder._step_trusted(y, state, mem)
             lp = log_softmax(logits, axis=-1).astype(np.float64).reshape(B, K, V)
             lp[done] = -np.inf
             lp[done, self.pad_id] = 0.0
