@@ -38,6 +38,7 @@ extension modules share them).
 from __future__ import annotations
 
 import ctypes
+import math
 import operator
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ from ._validation import (
     describe,
     result_dtypes,
 )
-from .functional import scaled_dot_product_attention
+from .functional import _kernel_mask, _sdpa_canonical, scaled_dot_product_attention
 
 __all__ = ["multi_head_attention"]
 
@@ -350,13 +351,18 @@ def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
         am = am.reshape((1,) * (4 - am.ndim) + am.shape)
         if am.dtype.kind == "f" and am.dtype != cdt:
             am = am.astype(cdt)
+    if km is None and am is None:
+        return None
     if km is None:
-        return am
-    if am is None:
-        return km
-    if am.dtype == np.bool_:
-        return am & km
-    return np.where(km, am, np.array(-np.inf, dtype=cdt))
+        mask = am
+    elif am is None:
+        mask = km
+    elif am.dtype == np.bool_:
+        mask = am & km
+    else:
+        mask = np.where(km, am, np.array(-np.inf, dtype=cdt))
+    kind = _kernels.MASK_BOOL if mask.dtype == np.bool_ else _kernels.MASK_ADD
+    return _kernel_mask(mask, kind, Lk, cdt)
 
 
 def _linear(x, w, b, rows_out, n_threads):
@@ -500,10 +506,28 @@ def multi_head_attention(
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
                  return_weights, average_weights, num_kv_heads, scale, causal_alignment,
                  n_threads)
-    q, k, v, mask, out_view, attn = _project_heads(p)
-    res = scaled_dot_product_attention(
+    return _forward(p)
+
+
+def _attend(p: _Prepared, q, k, v, mask, out_view):
+    """Attention of the head views into ``out_view``; returns the weights or None."""
+    if p.B and p.Lq and p.Lk:
+        # our own canonical views: SDPA's kernel call without its validation
+        batch = q.shape[:-2]
+        scale = 1.0 / math.sqrt(p.dh) if p.scale is None else float(p.scale)
+        off = p.Lk - p.Lq if p.is_causal and p.causal_alignment == "bottom_right" else 0
+        return _sdpa_canonical(q, k, v, mask, batch, p.is_causal, off, scale, out_view,
+                               p.want_weights, p.n_threads)
+    res = scaled_dot_product_attention(  # empty sizes: SDPA's general path
         q, k, v, mask, p.is_causal, p.scale, return_weights=p.want_weights,
         causal_alignment=p.causal_alignment, out=out_view, n_threads=p.n_threads)
+    return res[1] if p.want_weights else None
+
+
+def _forward(p: _Prepared):
+    """Projections, attention and output projection of a prepared call."""
+    q, k, v, mask, out_view, attn = _project_heads(p)
+    weights = _attend(p, q, k, v, mask, out_view)
     y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads)
     if p.rdt != p.cdt:
         y = y.astype(p.rdt)
@@ -511,7 +535,7 @@ def multi_head_attention(
         y = y[0]
     if not p.want_weights:
         return y
-    w = res[1].reshape(p.B, p.H, p.Lq, p.Lk)
+    w = weights.reshape(p.B, p.H, p.Lq, p.Lk)
     if p.average:  # as torch: the sum over heads / H (half the time of ndarray.mean here)
         w = np.add.reduce(w, axis=1)
         w *= w.dtype.type(1.0 / p.H)
