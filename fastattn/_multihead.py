@@ -544,3 +544,112 @@ def _forward(p: _Prepared):
     if not p.batched:
         w = w[0]
     return y, w
+
+
+# ------------------------------------------------------------ prepared weights
+# A layer calls with the same weights every time: they are validated and made
+# canonical once (MultiHeadWeights), and a call whose inputs are plain --
+# ndarrays of the weights' input dtype, shapes that fit, Python bools -- only
+# checks those inputs (and its masks, through the same _prepare_mask as every
+# call).  Anything else goes through multi_head_attention itself, so every
+# error is the general path's, worded the same.
+
+class MultiHeadWeights(NamedTuple):
+    """Validated, canonical weights of one ``multi_head_attention`` signature
+    (see :func:`prepare_weights`); internal to fastattn."""
+
+    p: _Prepared          # the weight fields of a probe call's _Prepared
+    in_dtype: np.dtype    # the input dtype the probe had
+    kdim: int
+    vdim: int
+    kwargs: dict          # the weights as given (for the general path)
+    copied: bool          # some weight was copied or cast to become canonical
+
+
+_WEIGHT_NAMES = ("w_qkv", "b_qkv", "w_query", "w_key", "w_value", "b_query", "b_key",
+                 "b_value", "w_out", "b_out")
+
+
+def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=None,
+                    **weights) -> MultiHeadWeights:
+    """Validate and canonicalise the weights of calls with ``(.., E)`` queries,
+    ``(.., kdim)`` keys and ``(.., vdim)`` values of ``dtype`` (the arguments of
+    :func:`multi_head_attention`, which raises the same errors)."""
+    unknown = sorted(set(weights) - set(_WEIGHT_NAMES))
+    if unknown:
+        raise TypeError(f"prepare_weights: unknown weight names {unknown}")
+    dtype = np.dtype(dtype)
+    probe_q = np.zeros((1, 1, embed_dim), dtype)
+    probe_k = probe_q if kdim == embed_dim else np.zeros((1, 1, kdim), dtype)
+    probe_v = probe_k if vdim == kdim else np.zeros((1, 1, vdim), dtype)
+    kw = {n: weights.get(n) for n in _WEIGHT_NAMES}
+    p = _prepare(probe_q, probe_k, probe_v, num_heads, kw["w_qkv"], kw["b_qkv"], kw["w_query"],
+                 kw["w_key"], kw["w_value"], kw["b_query"], kw["b_key"], kw["b_value"],
+                 kw["w_out"], kw["b_out"], None, None, False, False, True, num_kv_heads, None,
+                 "top_left", None)
+    given = {"w_qkv": p.w_qkv, "b_qkv": p.b_qkv, "w_out": p.w_out, "b_out": p.b_out}
+    if p.w_qkv is None:
+        given.update(w_query=p.w_q, w_key=p.w_k, w_value=p.w_v, b_query=p.b_q, b_key=p.b_k,
+                     b_value=p.b_v)
+    copied = any(given[n] is not kw[n] for n in given)
+    return MultiHeadWeights(p, dtype, kdim, vdim, kw, copied)
+
+
+def _prepare_with(wts: MultiHeadWeights, query, key, value, attn_mask, key_mask, is_causal,
+                  return_weights, average_weights, causal_alignment, n_threads):
+    """The _Prepared of a plain call with prepared weights, or None (general path)."""
+    dt = wts.in_dtype
+    if type(query) is not np.ndarray or query.dtype != dt:
+        return None
+    nd = query.ndim
+    for a in (key, value):
+        if a is not query and (type(a) is not np.ndarray or a.dtype != dt or a.ndim != nd):
+            return None
+    if nd not in (2, 3) or type(causal_alignment) is not str:
+        return None
+    for flag in (is_causal, return_weights, average_weights):
+        if flag is not True and flag is not False:
+            return None
+    w = wts.p
+    if nd == 2:
+        q, k, v = query[None], key[None], value[None]
+    else:
+        q, k, v = query, key, value
+    B, Lq, E = q.shape
+    _, Lk, kdim = k.shape
+    if (E != w.E or kdim != wts.kdim or v.shape[2] != wts.vdim or k.shape[0] != B
+            or v.shape[0] != B or v.shape[1] != Lk or B * Lq > BLAS_INT_MAX
+            or B * Lk > BLAS_INT_MAX or causal_alignment not in _ALIGNMENTS):
+        return None
+    nt = _threads.resolve(n_threads)
+    cdt = w.cdt
+    mask = None
+    if attn_mask is not None or key_mask is not None:
+        mask = _prepare_mask(attn_mask, key_mask, B, w.H, Lq, Lk, nd == 3, cdt)
+    self_attention = query is key and key is value
+    kv_shared = key is value
+    qc = canonical_matrix_stack(q, cdt)
+    kc = qc if query is key else canonical_matrix_stack(k, cdt)
+    vc = kc if kv_shared else canonical_matrix_stack(v, cdt)
+    return w._replace(q=qc, k=kc, v=vc, self_attention=self_attention, kv_shared=kv_shared,
+                      mask=mask, B=B, Lq=Lq, Lk=Lk, batched=nd == 3, is_causal=is_causal,
+                      want_weights=return_weights, average=average_weights,
+                      causal_alignment=causal_alignment, n_threads=nt)
+
+
+def multi_head_attention_prepared(weights: MultiHeadWeights, query, key, value, *,
+                                  attn_mask=None, key_mask=None, is_causal=False,
+                                  return_weights=False, average_weights=True,
+                                  causal_alignment="top_left", n_threads=None):
+    """:func:`multi_head_attention` with weights from :func:`prepare_weights`
+    (the default ``scale``); same results, same errors."""
+    p = _prepare_with(weights, query, key, value, attn_mask, key_mask, is_causal,
+                      return_weights, average_weights, causal_alignment, n_threads)
+    if p is not None:
+        return _forward(p)
+    w = weights.p
+    return multi_head_attention(
+        query, key, value, num_heads=w.H, num_kv_heads=w.Hkv, attn_mask=attn_mask,
+        key_mask=key_mask, is_causal=is_causal, return_weights=return_weights,
+        average_weights=average_weights, causal_alignment=causal_alignment,
+        n_threads=n_threads, **weights.kwargs)

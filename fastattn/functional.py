@@ -527,5 +527,11 @@ from ._linear import linear  # noqa: E402,F401  (layers, issue 6)
 
 # Multi-head attention (projections + this module's SDPA) lives in its own module.
 from ._multihead import multi_head_attention  # noqa: E402
+# for fastattn.layers.MultiHeadAttention: weights validated once, at load time (private)
+from ._multihead import (  # noqa: E402,F401
+    MultiHeadWeights as _MultiHeadWeights,
+    multi_head_attention_prepared as _multi_head_attention_prepared,
+    prepare_weights as _prepare_mha_weights,
+)
 
 __all__ += ["multi_head_attention"]
