@@ -386,6 +386,13 @@ def _project_heads(p: _Prepared):
     kvE = Hkv * dh
     nt = p.n_threads
     _threads.ensure_blas_hook()
+    attn = np.empty((B, Lq, E), dtype=p.cdt)
+    out = attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    if p.self_attention and p.w_qkv is not None and Hkv == H:
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
+        # (B, L, 3, H, dh) -> (3, B, H, L, dh): the three head views in one step
+        hv = qkv.reshape(B, Lq, 3, H, dh).transpose(2, 0, 3, 1, 4)
+        return hv[0], hv[1], hv[2], p.mask, out, attn
     if p.self_attention and p.w_qkv is not None:
         qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
         qb, kb, vb = qkv[..., :E], qkv[..., E:E + kvE], qkv[..., E + kvE:]
@@ -397,12 +404,11 @@ def _project_heads(p: _Prepared):
         else:
             kb = _linear(p.k, p.w_k, p.b_k, kvE, nt)
             vb = _linear(p.v, p.w_v, p.b_v, kvE, nt)
-    attn = np.empty((B, Lq, E), dtype=p.cdt)
 
     def heads(buf, L, n):  # (B, L, n * dh) -> (B, n, L, dh), a view
         return buf.reshape(B, L, n, dh).transpose(0, 2, 1, 3)
 
-    q, k, v, out = heads(qb, Lq, H), heads(kb, Lk, Hkv), heads(vb, Lk, Hkv), heads(attn, Lq, H)
+    q, k, v = heads(qb, Lq, H), heads(kb, Lk, Hkv), heads(vb, Lk, Hkv)
     mask = p.mask
     if Hkv != H:
         G = H // Hkv
@@ -631,10 +637,11 @@ def _prepare_with(wts: MultiHeadWeights, query, key, value, attn_mask, key_mask,
     qc = canonical_matrix_stack(q, cdt)
     kc = qc if query is key else canonical_matrix_stack(k, cdt)
     vc = kc if kv_shared else canonical_matrix_stack(v, cdt)
-    return w._replace(q=qc, k=kc, v=vc, self_attention=self_attention, kv_shared=kv_shared,
-                      mask=mask, B=B, Lq=Lq, Lk=Lk, batched=nd == 3, is_causal=is_causal,
-                      want_weights=return_weights, average=average_weights,
-                      causal_alignment=causal_alignment, n_threads=nt)
+    # (w._replace would do; positional construction is half its cost)
+    return _Prepared(qc, kc, vc, self_attention, kv_shared, w.w_qkv, w.b_qkv, w.w_q, w.w_k,
+                     w.w_v, w.b_q, w.b_k, w.b_v, w.w_out, w.b_out, mask, B, Lq, Lk, w.E, w.H,
+                     w.Hkv, w.dh, w.E_out, nd == 3, is_causal, return_weights, average_weights,
+                     w.scale, causal_alignment, nt, cdt, w.rdt)
 
 
 def multi_head_attention_prepared(weights: MultiHeadWeights, query, key, value, *,

@@ -297,6 +297,15 @@ class MultiHeadAttention:
         with weights averaged over heads ``(B, Lq, Lk)`` or, with
         ``average_weights=False``, per head ``(B, H, Lq, Lk)``.
         """
+        w = self._prepared_weights()
+        if (w is not None and key is None and value is None and type(query) is np.ndarray
+                and query.ndim and query.shape[-1] == self.embed_dim == self.kdim == self.vdim):
+            # self-attention on an array of the layer's sizes: nothing for the loop below
+            return functional._multi_head_attention_prepared(
+                w, query, query, query, attn_mask=attn_mask, key_mask=key_mask,
+                is_causal=is_causal, causal_alignment=causal_alignment,
+                return_weights=return_weights, average_weights=average_weights,
+                n_threads=n_threads)
         key_given, value_given = key is not None, value is not None
         if key is None:
             key = query
@@ -313,7 +322,6 @@ class MultiHeadAttention:
                 raise ValueError(
                     f"{name}: expected last dim {what}={want} (this layer's), got shape {shape}{came}"
                 )
-        w = self._prepared_weights()
         if w is not None:
             return functional._multi_head_attention_prepared(
                 w, query, key, value, attn_mask=attn_mask, key_mask=key_mask,
