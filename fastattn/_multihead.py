@@ -29,6 +29,14 @@ attention views the keys and values as ``(B, Hkv, 1, Lk, dh)`` and the queries
 as ``(B, Hkv, H / Hkv, Lq, dh)``, so shared key/value heads are broadcast
 (stride 0), never repeated.
 
+The attention step reads those head views through SDPA's kernel call
+without SDPA's validation (``functional._sdpa_canonical``): the views are
+fastattn's own, canonical by construction; only the user's masks are checked
+(here, once) and brought into the kernel's layout (``functional._kernel_mask``).
+A layer validates its weights once (:func:`prepare_weights`) and calls
+:func:`multi_head_attention_prepared`, which checks only the inputs and sends
+anything not plain to :func:`multi_head_attention` itself.
+
 Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
 count of every step.  The projection GEMMs are cut into blocks that run on the
 attention kernel's worker pool with BLAS held at one thread, through the same

@@ -99,6 +99,11 @@ class MultiHeadAttention:
         (the packed ``in_proj_weight`` as one matrix), ``U(-1/sqrt(E), 1/sqrt(E))``
         for ``out_proj.weight``, zero biases.
 
+    The parameters (``self.params``) are validated and made canonical on the
+    first call and reused while ``params`` holds the same arrays; changing
+    their values in place is seen by the next call, and replacing an array
+    (or the dict, or ``load_state_dict``) prepares them again.
+
     Calling the layer: ``mha(query, key=None, value=None, *, attn_mask=None,
     key_mask=None, is_causal=False, return_weights=False)`` with batch-first
     ``(B, L, features)`` or unbatched ``(L, features)`` inputs; ``key``
