@@ -2,6 +2,9 @@
 of multi-head attention (functional._sdpa_canonical), against the float64 oracle."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -271,3 +274,16 @@ def test_sdpa_canonical_on_head_views(dtype, mask, causal, Lq, rng):
     out2 = np.empty_like(out)
     assert F._sdpa_canonical(q, k, v, m, (B, H), causal, off, 0.3, out2, False, 2) is None
     assert_close(out2, r_out, dtype)
+
+
+def test_pickle_and_copies_of_a_called_layer(rng):
+    m = randomise(MultiHeadAttention(16, 4, seed=0), rng)
+    x = randn(rng, (2, 5, 16), np.float32)
+    ref = m(x)
+    m2 = pickle.loads(pickle.dumps(m))
+    assert m2._prepared is None
+    np.testing.assert_array_equal(m2(x), ref)
+    m3 = copy.deepcopy(m)
+    m3.params["out_proj.bias"][:] += 1.0  # its own arrays: m is unchanged
+    np.testing.assert_array_equal(m(x), ref)
+    assert_close(m3(x), oracle_of(m3, x, x, x), np.float32)

@@ -256,6 +256,11 @@ class MultiHeadAttention:
                 kw.update(b_query=b[:E], b_key=b[E:E + kvE], b_value=b[E + kvE:])
         return kw
 
+    def __getstate__(self):  # pickling: the prepared weights are rebuilt on first use
+        state = self.__dict__.copy()
+        state["_prepared"] = None
+        return state
+
     def _prepared_weights(self):
         """The parameters validated and canonical (functional's prepared weights),
         made once and reused while ``self.params`` holds the same arrays (same
