@@ -29,6 +29,14 @@ attention views the keys and values as ``(B, Hkv, 1, Lk, dh)`` and the queries
 as ``(B, Hkv, H / Hkv, Lq, dh)``, so shared key/value heads are broadcast
 (stride 0), never repeated.
 
+The attention step reads those head views through SDPA's kernel call
+without SDPA's validation (``functional._sdpa_canonical``): the views are
+fastattn's own, canonical by construction; only the user's masks are checked
+(here, once) and brought into the kernel's layout (``functional._kernel_mask``).
+A layer validates its weights once (:func:`prepare_weights`) and calls
+:func:`multi_head_attention_prepared`, which checks only the inputs and sends
+anything not plain to :func:`multi_head_attention` itself.
+
 Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
 count of every step.  The projection GEMMs are cut into blocks that run on the
 attention kernel's worker pool with BLAS held at one thread, through the same
@@ -38,6 +46,7 @@ extension modules share them).
 from __future__ import annotations
 
 import ctypes
+import math
 import operator
 from typing import NamedTuple
 
@@ -52,7 +61,7 @@ from ._validation import (
     describe,
     result_dtypes,
 )
-from .functional import scaled_dot_product_attention
+from .functional import _kernel_mask, _sdpa_canonical, scaled_dot_product_attention
 
 __all__ = ["multi_head_attention"]
 
@@ -350,13 +359,18 @@ def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
         am = am.reshape((1,) * (4 - am.ndim) + am.shape)
         if am.dtype.kind == "f" and am.dtype != cdt:
             am = am.astype(cdt)
+    if km is None and am is None:
+        return None
     if km is None:
-        return am
-    if am is None:
-        return km
-    if am.dtype == np.bool_:
-        return am & km
-    return np.where(km, am, np.array(-np.inf, dtype=cdt))
+        mask = am
+    elif am is None:
+        mask = km
+    elif am.dtype == np.bool_:
+        mask = am & km
+    else:
+        mask = np.where(km, am, np.array(-np.inf, dtype=cdt))
+    kind = _kernels.MASK_BOOL if mask.dtype == np.bool_ else _kernels.MASK_ADD
+    return _kernel_mask(mask, kind, Lk, cdt)
 
 
 def _linear(x, w, b, rows_out, n_threads):
@@ -380,6 +394,13 @@ def _project_heads(p: _Prepared):
     kvE = Hkv * dh
     nt = p.n_threads
     _threads.ensure_blas_hook()
+    attn = np.empty((B, Lq, E), dtype=p.cdt)
+    out = attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    if p.self_attention and p.w_qkv is not None and Hkv == H:
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
+        # (B, L, 3, H, dh) -> (3, B, H, L, dh): the three head views in one step
+        hv = qkv.reshape(B, Lq, 3, H, dh).transpose(2, 0, 3, 1, 4)
+        return hv[0], hv[1], hv[2], p.mask, out, attn
     if p.self_attention and p.w_qkv is not None:
         qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
         qb, kb, vb = qkv[..., :E], qkv[..., E:E + kvE], qkv[..., E + kvE:]
@@ -391,12 +412,11 @@ def _project_heads(p: _Prepared):
         else:
             kb = _linear(p.k, p.w_k, p.b_k, kvE, nt)
             vb = _linear(p.v, p.w_v, p.b_v, kvE, nt)
-    attn = np.empty((B, Lq, E), dtype=p.cdt)
 
     def heads(buf, L, n):  # (B, L, n * dh) -> (B, n, L, dh), a view
         return buf.reshape(B, L, n, dh).transpose(0, 2, 1, 3)
 
-    q, k, v, out = heads(qb, Lq, H), heads(kb, Lk, Hkv), heads(vb, Lk, Hkv), heads(attn, Lq, H)
+    q, k, v = heads(qb, Lq, H), heads(kb, Lk, Hkv), heads(vb, Lk, Hkv)
     mask = p.mask
     if Hkv != H:
         G = H // Hkv
@@ -500,10 +520,28 @@ def multi_head_attention(
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
                  return_weights, average_weights, num_kv_heads, scale, causal_alignment,
                  n_threads)
-    q, k, v, mask, out_view, attn = _project_heads(p)
-    res = scaled_dot_product_attention(
+    return _forward(p)
+
+
+def _attend(p: _Prepared, q, k, v, mask, out_view):
+    """Attention of the head views into ``out_view``; returns the weights or None."""
+    if p.B and p.Lq and p.Lk:
+        # our own canonical views: SDPA's kernel call without its validation
+        batch = q.shape[:-2]
+        scale = 1.0 / math.sqrt(p.dh) if p.scale is None else float(p.scale)
+        off = p.Lk - p.Lq if p.is_causal and p.causal_alignment == "bottom_right" else 0
+        return _sdpa_canonical(q, k, v, mask, batch, p.is_causal, off, scale, out_view,
+                               p.want_weights, p.n_threads)
+    res = scaled_dot_product_attention(  # empty sizes: SDPA's general path
         q, k, v, mask, p.is_causal, p.scale, return_weights=p.want_weights,
         causal_alignment=p.causal_alignment, out=out_view, n_threads=p.n_threads)
+    return res[1] if p.want_weights else None
+
+
+def _forward(p: _Prepared):
+    """Projections, attention and output projection of a prepared call."""
+    q, k, v, mask, out_view, attn = _project_heads(p)
+    weights = _attend(p, q, k, v, mask, out_view)
     y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads)
     if p.rdt != p.cdt:
         y = y.astype(p.rdt)
@@ -511,7 +549,7 @@ def multi_head_attention(
         y = y[0]
     if not p.want_weights:
         return y
-    w = res[1].reshape(p.B, p.H, p.Lq, p.Lk)
+    w = weights.reshape(p.B, p.H, p.Lq, p.Lk)
     if p.average:  # as torch: the sum over heads / H (half the time of ndarray.mean here)
         w = np.add.reduce(w, axis=1)
         w *= w.dtype.type(1.0 / p.H)
@@ -520,3 +558,113 @@ def multi_head_attention(
     if not p.batched:
         w = w[0]
     return y, w
+
+
+# ------------------------------------------------------------ prepared weights
+# A layer calls with the same weights every time: they are validated and made
+# canonical once (MultiHeadWeights), and a call whose inputs are plain --
+# ndarrays of the weights' input dtype, shapes that fit, Python bools -- only
+# checks those inputs (and its masks, through the same _prepare_mask as every
+# call).  Anything else goes through multi_head_attention itself, so every
+# error is the general path's, worded the same.
+
+class MultiHeadWeights(NamedTuple):
+    """Validated, canonical weights of one ``multi_head_attention`` signature
+    (see :func:`prepare_weights`); internal to fastattn."""
+
+    p: _Prepared          # the weight fields of a probe call's _Prepared
+    in_dtype: np.dtype    # the input dtype the probe had
+    kdim: int
+    vdim: int
+    kwargs: dict          # the weights as given (for the general path)
+    copied: bool          # some weight was copied or cast to become canonical
+
+
+_WEIGHT_NAMES = ("w_qkv", "b_qkv", "w_query", "w_key", "w_value", "b_query", "b_key",
+                 "b_value", "w_out", "b_out")
+
+
+def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=None,
+                    **weights) -> MultiHeadWeights:
+    """Validate and canonicalise the weights of calls with ``(.., E)`` queries,
+    ``(.., kdim)`` keys and ``(.., vdim)`` values of ``dtype`` (the arguments of
+    :func:`multi_head_attention`, which raises the same errors)."""
+    unknown = sorted(set(weights) - set(_WEIGHT_NAMES))
+    if unknown:
+        raise TypeError(f"prepare_weights: unknown weight names {unknown}")
+    dtype = np.dtype(dtype)
+    probe_q = np.zeros((1, 1, embed_dim), dtype)
+    probe_k = probe_q if kdim == embed_dim else np.zeros((1, 1, kdim), dtype)
+    probe_v = probe_k if vdim == kdim else np.zeros((1, 1, vdim), dtype)
+    kw = {n: weights.get(n) for n in _WEIGHT_NAMES}
+    p = _prepare(probe_q, probe_k, probe_v, num_heads, kw["w_qkv"], kw["b_qkv"], kw["w_query"],
+                 kw["w_key"], kw["w_value"], kw["b_query"], kw["b_key"], kw["b_value"],
+                 kw["w_out"], kw["b_out"], None, None, False, False, True, num_kv_heads, None,
+                 "top_left", None)
+    given = {"w_qkv": p.w_qkv, "b_qkv": p.b_qkv, "w_out": p.w_out, "b_out": p.b_out}
+    if p.w_qkv is None:
+        given.update(w_query=p.w_q, w_key=p.w_k, w_value=p.w_v, b_query=p.b_q, b_key=p.b_k,
+                     b_value=p.b_v)
+    copied = any(given[n] is not kw[n] for n in given)
+    return MultiHeadWeights(p, dtype, kdim, vdim, kw, copied)
+
+
+def _prepare_with(wts: MultiHeadWeights, query, key, value, attn_mask, key_mask, is_causal,
+                  return_weights, average_weights, causal_alignment, n_threads):
+    """The _Prepared of a plain call with prepared weights, or None (general path)."""
+    dt = wts.in_dtype
+    if type(query) is not np.ndarray or query.dtype != dt:
+        return None
+    nd = query.ndim
+    for a in (key, value):
+        if a is not query and (type(a) is not np.ndarray or a.dtype != dt or a.ndim != nd):
+            return None
+    if nd not in (2, 3) or type(causal_alignment) is not str:
+        return None
+    for flag in (is_causal, return_weights, average_weights):
+        if flag is not True and flag is not False:
+            return None
+    w = wts.p
+    if nd == 2:
+        q, k, v = query[None], key[None], value[None]
+    else:
+        q, k, v = query, key, value
+    B, Lq, E = q.shape
+    _, Lk, kdim = k.shape
+    if (E != w.E or kdim != wts.kdim or v.shape[2] != wts.vdim or k.shape[0] != B
+            or v.shape[0] != B or v.shape[1] != Lk or B * Lq > BLAS_INT_MAX
+            or B * Lk > BLAS_INT_MAX or causal_alignment not in _ALIGNMENTS):
+        return None
+    nt = _threads.resolve(n_threads)
+    cdt = w.cdt
+    mask = None
+    if attn_mask is not None or key_mask is not None:
+        mask = _prepare_mask(attn_mask, key_mask, B, w.H, Lq, Lk, nd == 3, cdt)
+    self_attention = query is key and key is value
+    kv_shared = key is value
+    qc = canonical_matrix_stack(q, cdt)
+    kc = qc if query is key else canonical_matrix_stack(k, cdt)
+    vc = kc if kv_shared else canonical_matrix_stack(v, cdt)
+    # (w._replace would do; positional construction is half its cost)
+    return _Prepared(qc, kc, vc, self_attention, kv_shared, w.w_qkv, w.b_qkv, w.w_q, w.w_k,
+                     w.w_v, w.b_q, w.b_k, w.b_v, w.w_out, w.b_out, mask, B, Lq, Lk, w.E, w.H,
+                     w.Hkv, w.dh, w.E_out, nd == 3, is_causal, return_weights, average_weights,
+                     w.scale, causal_alignment, nt, cdt, w.rdt)
+
+
+def multi_head_attention_prepared(weights: MultiHeadWeights, query, key, value, *,
+                                  attn_mask=None, key_mask=None, is_causal=False,
+                                  return_weights=False, average_weights=True,
+                                  causal_alignment="top_left", n_threads=None):
+    """:func:`multi_head_attention` with weights from :func:`prepare_weights`
+    (the default ``scale``); same results, same errors."""
+    p = _prepare_with(weights, query, key, value, attn_mask, key_mask, is_causal,
+                      return_weights, average_weights, causal_alignment, n_threads)
+    if p is not None:
+        return _forward(p)
+    w = weights.p
+    return multi_head_attention(
+        query, key, value, num_heads=w.H, num_kv_heads=w.Hkv, attn_mask=attn_mask,
+        key_mask=key_mask, is_causal=is_causal, return_weights=return_weights,
+        average_weights=average_weights, causal_alignment=causal_alignment,
+        n_threads=n_threads, **weights.kwargs)

@@ -361,12 +361,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
                 f"got {mask.shape}"
             )
         shapes.append(("attn_mask", mask.shape[:-2]))
-        if mask_kind == _kernels.MASK_ADD and mask.dtype != cdt:
-            mask = mask.astype(cdt)
-        if mk != Lk:  # one value for every key: spell it out along the key axis
-            mask = np.broadcast_to(mask, mask.shape[:-1] + (Lk,))
-        if (Lk > 1 and mask.strides[-1] != mask.itemsize) or not mask.flags.aligned:
-            mask = np.array(mask, order="C")  # a fresh, aligned, contiguous copy
+        mask = _kernel_mask(mask, mask_kind, Lk, cdt)
 
     batch = broadcast_batch(shapes, _kernels.MAX_BATCH_DIMS)
 
@@ -397,6 +392,54 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
     return _Prepared(qc, kc, vc, mask, mask_kind, batch, Lq, Lk, d, dv, bool(is_causal),
                      causal_alignment, off, scale, bool(return_weights), out, nt, cdt, rdt,
                      tuple(copies))
+
+
+def _kernel_mask(mask, mask_kind, Lk, cdt):
+    """A validated mask (bool, or float of kind MASK_ADD; at least 2-D, last two
+    dims broadcastable to (Lq, Lk)) as the kernel reads it: additive masks in the
+    compute dtype, the key axis spelled out and contiguous, aligned memory."""
+    if mask_kind == _kernels.MASK_ADD and mask.dtype != cdt:
+        mask = mask.astype(cdt)
+    if mask.shape[-1] != Lk:  # one value for every key: spell it out along the key axis
+        mask = np.broadcast_to(mask, mask.shape[:-1] + (Lk,))
+    if (Lk > 1 and mask.strides[-1] != mask.itemsize) or not mask.flags.aligned:
+        mask = np.array(mask, order="C")  # a fresh, aligned, contiguous copy
+    return mask
+
+
+def _sdpa_canonical(q, k, v, mask, batch, causal, causal_offset, scale, out, want_weights,
+                    n_threads):
+    """SDPA for arrays that fastattn built itself (multi-head attention's head views):
+    no validation, no canonicalisation of q, k, v or out.
+
+    The caller guarantees what :func:`_prepare` would have established: q, k,
+    v and out share one float dtype (float32 or float64), have contiguous last
+    axes and BLAS-valid row strides, and their leading dims broadcast to
+    ``batch``; out (shape ``batch + (Lq, dv)``) is writeable, has its own memory
+    for every element and overlaps neither the inputs nor the mask; every size
+    (batch, Lq, Lk, d, dv) is at least 1; ``mask`` is None or already through
+    :func:`_kernel_mask` (bool or in the compute dtype) with leading dims that
+    broadcast to ``batch``; ``scale`` is a float; ``n_threads`` is resolved.
+    Writes ``out``; returns the weights ``batch + (Lq, Lk)`` or None.
+    """
+    Lq, d = q.shape[-2], q.shape[-1]
+    Lk, dv = k.shape[-2], v.shape[-1]
+    dt = q.dtype
+    if mask is None:
+        kind = _MASK_NONE
+    elif mask.dtype == np.bool_:
+        kind = _kernels.MASK_BOOL
+    else:
+        kind = _kernels.MASK_ADD
+    weights = np.empty(batch + (Lq, Lk), dtype=dt) if want_weights else None
+    path, bq, bk, no_blas, nt, _ = _plan(batch, Lq, Lk, d, dv, want_weights, n_threads,
+                                         causal, dt.itemsize)
+    _threads.ensure_blas_hook()
+    rc = _kernels.sdpa(q, k, v, mask, kind, out, weights, batch, causal, causal_offset,
+                       scale, bq, bk, path, no_blas, nt)
+    if rc:
+        _raise_status(rc)
+    return weights
 
 
 def _run(p: _Prepared):
@@ -485,5 +528,11 @@ from ._recurrence import rnn_cell, rnn_scan  # noqa: E402,F401  (the RNN layers'
 
 # Multi-head attention (projections + this module's SDPA) lives in its own module.
 from ._multihead import multi_head_attention  # noqa: E402
+# for fastattn.layers.MultiHeadAttention: weights validated once, at load time (private)
+from ._multihead import (  # noqa: E402,F401
+    MultiHeadWeights as _MultiHeadWeights,
+    multi_head_attention_prepared as _multi_head_attention_prepared,
+    prepare_weights as _prepare_mha_weights,
+)
 
 __all__ += ["multi_head_attention", "attention", "PreparedAttention", "linear", "rnn_scan", "rnn_cell"]

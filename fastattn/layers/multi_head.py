@@ -99,6 +99,11 @@ class MultiHeadAttention:
         (the packed ``in_proj_weight`` as one matrix), ``U(-1/sqrt(E), 1/sqrt(E))``
         for ``out_proj.weight``, zero biases.
 
+    The parameters (``self.params``) are validated and made canonical on the
+    first call and reused while ``params`` holds the same arrays; changing
+    their values in place is seen by the next call, and replacing an array
+    (or the dict, or ``load_state_dict``) prepares them again.
+
     Calling the layer: ``mha(query, key=None, value=None, *, attn_mask=None,
     key_mask=None, is_causal=False, return_weights=False)`` with batch-first
     ``(B, L, features)`` or unbatched ``(L, features)`` inputs; ``key``
@@ -130,6 +135,7 @@ class MultiHeadAttention:
         self.head_dim = E // H
         self.packed = self.kdim == E and self.vdim == E
         self.params = self._init_params(np.random.default_rng(seed))
+        self._prepared = None  # see _prepared_weights
 
     # ------------------------------------------------------------ parameters
     def param_shapes(self) -> dict:
@@ -250,6 +256,43 @@ class MultiHeadAttention:
                 kw.update(b_query=b[:E], b_key=b[E:E + kvE], b_value=b[E + kvE:])
         return kw
 
+    def __getstate__(self):  # pickling: the prepared weights are rebuilt on first use
+        state = self.__dict__.copy()
+        state["_prepared"] = None
+        return state
+
+    def _prepared_weights(self):
+        """The parameters validated and canonical (functional's prepared weights),
+        made once and reused while ``self.params`` holds the same arrays (same
+        objects, shapes and dtypes; their values may change in place: the
+        prepared weights are those arrays, not copies).  None when they cannot
+        be reused (a parameter that had to be copied or cast, or that is
+        invalid: the general path then checks and reports it on every call)."""
+        params = self.params
+        cached = getattr(self, "_prepared", None)
+        if cached is not None and cached[0] is params and len(params) == len(cached[1]):
+            get = params.get
+            for name, a, shape, dt in cached[1]:
+                b = get(name)
+                if b is not a or b.shape != shape or b.dtype != dt:
+                    break
+            else:
+                return cached[2]
+        if not isinstance(params, Mapping):
+            return None
+        snapshot = tuple((name, a, getattr(a, "shape", None), getattr(a, "dtype", None))
+                         for name, a in params.items())
+        try:
+            w = functional._prepare_mha_weights(
+                self.embed_dim, self.kdim, self.vdim, self.dtype, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, **self._weights())
+        except (TypeError, ValueError, KeyError):
+            w = None
+        if w is not None and w.copied:
+            w = None
+        self._prepared = (params, snapshot, w)
+        return w
+
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
                  is_causal=False, causal_alignment="top_left", return_weights=False,
                  average_weights=True, n_threads=None):
@@ -264,6 +307,15 @@ class MultiHeadAttention:
         with weights averaged over heads ``(B, Lq, Lk)`` or, with
         ``average_weights=False``, per head ``(B, H, Lq, Lk)``.
         """
+        w = self._prepared_weights()
+        if (w is not None and key is None and value is None and type(query) is np.ndarray
+                and query.ndim and query.shape[-1] == self.embed_dim == self.kdim == self.vdim):
+            # self-attention on an array of the layer's sizes: nothing for the loop below
+            return functional._multi_head_attention_prepared(
+                w, query, query, query, attn_mask=attn_mask, key_mask=key_mask,
+                is_causal=is_causal, causal_alignment=causal_alignment,
+                return_weights=return_weights, average_weights=average_weights,
+                n_threads=n_threads)
         key_given, value_given = key is not None, value is not None
         if key is None:
             key = query
@@ -280,6 +332,12 @@ class MultiHeadAttention:
                 raise ValueError(
                     f"{name}: expected last dim {what}={want} (this layer's), got shape {shape}{came}"
                 )
+        if w is not None:
+            return functional._multi_head_attention_prepared(
+                w, query, key, value, attn_mask=attn_mask, key_mask=key_mask,
+                is_causal=is_causal, causal_alignment=causal_alignment,
+                return_weights=return_weights, average_weights=average_weights,
+                n_threads=n_threads)
         return functional.multi_head_attention(
             query, key, value, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
