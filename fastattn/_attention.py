@@ -211,7 +211,15 @@ class PreparedAttention:
         p = t.p
         if t.kcache:  # the fused additive kernel with the keys projected and padded
             wq, b, kx, packed, bq, nt_k = t.kcache
-            qx = _project(canonical_matrix_stack(q, p.cdt), wq, b, p.cdt, nt_k)
+            qc = canonical_matrix_stack(q, p.cdt)
+            if qc.size // max(qc.shape[-1], 1) <= _FEW_ROWS and kx.shape[-1] == wq.shape[0] and qc.size:
+                # a decoder step's query: no padding needed, the same product as _project's
+                qx = np.matmul(qc.reshape(-1, qc.shape[-1]), wq.T)
+                if b is not None:
+                    qx += b
+                qx = qx.reshape(qc.shape[:-1] + (wq.shape[0],))
+            else:
+                qx = _project(qc, wq, b, p.cdt, nt_k)
             res = np.empty(p.batch + (p.Lq, p.dv), dtype=p.cdt)
             weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
             _launch_additive(t, qx, kx, p.v, res, weights, bq, nt_k, _scores.SCORE_ADDITIVE, 0, packed)
