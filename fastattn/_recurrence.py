@@ -163,6 +163,12 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     its own rows of the weights -- for a decoder step at B = 1 that is what
     lets two cores share the reading of the weights.
     """
+    if (cell == "gru" and c is None and n_threads is None and type(x) is np.ndarray
+            and type(h) is np.ndarray and type(w_ih) is np.ndarray and type(w_hh) is np.ndarray
+            and type(b_ih) is np.ndarray and type(b_hh) is np.ndarray):
+        r = _gru_plain(x, h, w_ih, b_ih, w_hh, b_hh)
+        if r is not None:
+            return r, None
     if not isinstance(cell, str) or cell not in RNN_CELLS:
         raise ValueError(f"cell: expected one of {sorted(RNN_CELLS)}, got {cell!r}")
     G = RNN_CELLS[cell]
@@ -224,6 +230,28 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
         _ensure_runtime()
     _rnn.cell(_rnn.CELLS[cell], _rows(x, ct), _rows(wi, ct), bic, _rows(wh, ct), bhc, h0, c0, h1, c1, nt)
     return h1, c1
+
+
+def _gru_plain(x, h, wi, bi, wh, bh):
+    """rnn_cell's common case (a decoder step): float32 GRU, C-contiguous arrays,
+    consistent shapes -> h', with the same kernel call; None: take the general path."""
+    f = _F32
+    if not (x.dtype == f and h.dtype == f and wi.dtype == f and wh.dtype == f and bi.dtype == f
+            and bh.dtype == f and x.ndim == 2 and h.ndim == 2 and x.flags.c_contiguous
+            and h.flags.c_contiguous and wi.flags.c_contiguous and wh.flags.c_contiguous
+            and bi.flags.c_contiguous and bh.flags.c_contiguous):
+        return None
+    B, H = h.shape
+    GH = 3 * H
+    if (B == 0 or H == 0 or x.shape[0] != B or x.shape[1] == 0 or wh.shape != (GH, H)
+            or wi.shape != (GH, x.shape[1]) or bi.shape != (GH,) or bh.shape != (GH,)
+            or max(GH, B, x.shape[1]) > BLAS_INT_MAX):
+        return None
+    if not _runtime_done:
+        _ensure_runtime()
+    h1 = np.empty((B, H), f)
+    _rnn.cell(2, x, wi, bi, wh, bh, h, None, h1, None, _threads.resolve(None))
+    return h1
 
 
 def _contig(a, ct):
