@@ -312,7 +312,8 @@ class _RNNBase(Layer):
             for d, sfx in enumerate(("", "_reverse")[:self.num_directions]):
                 wih, whh, bih, bhh = self._weights(k, sfx, ct)
                 idx = k * self.num_directions + d
-                xw = F.linear(inp.reshape(B * T, -1), wih, bih).reshape(B, T, -1)
+                # (explicit sizes: B * T may be 0, where -1 cannot be inferred)
+                xw = F.linear(inp.reshape(B * T, inp.shape[-1]), wih, bih).reshape(B, T, wih.shape[0])
                 o, h, c = F.rnn_scan(xw, whh, bhh, h0[idx], cell=cell,
                                      c0=None if c0 is None else c0[idx], lengths=lengths,
                                      reverse=bool(d))
