@@ -38,3 +38,33 @@ def test_encoder_and_seq2seq_empty_source():
     s2s = L.Seq2Seq(enc, L.AttentionDecoder(10, 4, 6, 6, seed=0), bos_id=1, eos_id=2)
     tokens, lengths, scores, align = s2s.greedy_decode(np.zeros((2, 0), np.int64), max_len=3)
     assert tokens.shape == (2, 3) and align.shape == (2, 3, 0)
+
+
+# ------------------------------------- ragged lists name their parameter
+
+RAGGED = [[1.0], [1.0, 2.0]]
+
+
+@pytest.mark.parametrize("name,call", [
+    ("x", lambda: F.linear(RAGGED, np.ones((5, 2)))),
+    ("weight", lambda: F.linear(np.ones((3, 2)), RAGGED)),
+    ("bias", lambda: F.linear(np.ones((3, 2)), np.ones((2, 2)), RAGGED)),
+    ("xw", lambda: F.rnn_scan([RAGGED, RAGGED], np.ones((3, 1)), None, np.ones((2, 1)))),
+    ("lengths", lambda: F.rnn_scan(np.ones((2, 3, 3)), np.ones((3, 1)), None, np.ones((2, 1)),
+                                   lengths=RAGGED)),
+    ("x", lambda: F.rnn_cell(RAGGED, np.ones((2, 1)), np.ones((3, 1)), None, np.ones((3, 1)), None)),
+    (r"state_dict\['weight_ih_l0'\]", lambda: L.GRU.from_torch({"weight_ih_l0": RAGGED,
+                                                                "weight_hh_l0": np.zeros((3, 1))})),
+])
+def test_ragged_lists_name_the_parameter(name, call):
+    """linear / rnn_scan / rnn_cell / RNN.from_torch let NumPy's 'setting an array
+    element with a sequence' ValueError through, naming no parameter."""
+    with pytest.raises(TypeError, match=rf"^{name}: expected an array"):
+        call()
+
+
+@pytest.mark.parametrize("cls", [L.SimpleRNN, L.GRU, L.LSTM])
+def test_rnn_from_torch_non_2d_weight(cls):
+    """A 1-d weight_ih_l0 raised 'not enough values to unpack (expected 2, got 1)'."""
+    with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\]: expected a 2-d .* got shape \(12,\)"):
+        cls.from_torch({"weight_ih_l0": np.zeros(12), "weight_hh_l0": np.zeros((12, 1))})
