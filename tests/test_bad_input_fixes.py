@@ -68,3 +68,28 @@ def test_rnn_from_torch_non_2d_weight(cls):
     """A 1-d weight_ih_l0 raised 'not enough values to unpack (expected 2, got 1)'."""
     with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\]: expected a 2-d .* got shape \(12,\)"):
         cls.from_torch({"weight_ih_l0": np.zeros(12), "weight_hh_l0": np.zeros((12, 1))})
+
+
+# --------------------------------------------------- non-finite scale
+
+def _mha_kw(E=8):
+    rng = np.random.default_rng(0)
+    return dict(num_heads=2, w_qkv=rng.standard_normal((3 * E, E)), w_out=rng.standard_normal((E, E)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -np.inf, np.float32("nan")])
+@pytest.mark.parametrize("fn", ["sdpa", "sdpa_masked", "explain", "multi_head_attention"])
+def test_non_finite_scale_raises(fn, bad):
+    """scale=nan/inf made every output NaN (sdpa, multi_head_attention) while
+    attention(similarity='scaled_dot', params={'scale': nan}) raised: now all raise."""
+    x = np.random.default_rng(1).standard_normal((2, 5, 8))
+    calls = {
+        "sdpa": lambda: fastattn.scaled_dot_product_attention(x, x, x, scale=bad),
+        "sdpa_masked": lambda: fastattn.scaled_dot_product_attention(x, x, x, np.ones((5, 5), bool), scale=bad),
+        "explain": lambda: fastattn.explain(x, x, x, scale=bad),
+        "multi_head_attention": lambda: fastattn.multi_head_attention(x, x, x, scale=bad, **_mha_kw()),
+    }
+    with pytest.raises(ValueError, match=r"^scale: expected a finite real number, got (nan|inf|-inf)"):
+        calls[fn]()
+    with pytest.raises(ValueError, match=r"params\['scale'\]: contains NaN or infinite values"):
+        fastattn.attention(x, x, x, "scaled_dot", params={"scale": bad})
