@@ -93,3 +93,21 @@ def test_non_finite_scale_raises(fn, bad):
         calls[fn]()
     with pytest.raises(ValueError, match=r"params\['scale'\]: contains NaN or infinite values"):
         fastattn.attention(x, x, x, "scaled_dot", params={"scale": bad})
+
+
+# ------------------------------- MultiHeadAttention state dicts with NaN / inf
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_mha_load_state_dict_refuses_non_finite(bad):
+    """Every other layer's load_state_dict refused NaN / inf weights; the
+    multi-head layer loaded them (and from_torch with it)."""
+    m = L.MultiHeadAttention(8, 2, seed=0)
+    before = m.state_dict()
+    sd = m.state_dict()
+    sd["out_proj.weight"][1, 2] = bad
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: contains NaN or infinite values"):
+        m.load_state_dict(sd)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: contains NaN or infinite values"):
+        L.MultiHeadAttention.from_torch(sd, num_heads=2)
