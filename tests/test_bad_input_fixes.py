@@ -5,6 +5,8 @@ tests/test_bad_input.py.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,21 @@ def test_mha_load_state_dict_refuses_non_finite(bad):
         np.testing.assert_array_equal(v, before[k])
     with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: contains NaN or infinite values"):
         L.MultiHeadAttention.from_torch(sd, num_heads=2)
+
+
+# ------------------------ Attention layers: a mask with more dims than the input
+
+@pytest.mark.parametrize("layer", ["Attention", "SelfAttention"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_attention_layer_mask_with_extra_dims(layer, batched):
+    """A (2, B, Lq, Lk) mask on (B, Lq, E) inputs was broadcast by F.attention
+    into an extra output dim: the layer returned (2, B, Lq, out_dim) instead of
+    the documented (B, Lq, out_dim)."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 8) if batched else (3, 8))
+    mod = L.Attention(8, seed=0) if layer == "Attention" else L.SelfAttention(8, seed=0)
+    m = np.ones((2,) + x.shape[:-1] + (3,), bool)
+    want = "(B, Lq, Lk) = (2, 3, 3)" if batched else "(Lq, Lk) = (3, 3)"
+    with pytest.raises(ValueError, match=rf"^attn_mask: expected at most {x.ndim} dims, .*"
+                                         + re.escape(f"{want}, got shape {m.shape}")):
+        mod(x, attn_mask=m)
+    assert mod(x, attn_mask=m[0]).shape == x.shape  # as many dims as the input: fine
