@@ -131,3 +131,28 @@ def test_attention_layer_mask_with_extra_dims(layer, batched):
                                          + re.escape(f"{want}, got shape {m.shape}")):
         mod(x, attn_mask=m)
     assert mod(x, attn_mask=m[0]).shape == x.shape  # as many dims as the input: fine
+
+
+# ------------------------------------------ layers: bool inputs, rank message
+
+@pytest.mark.parametrize("call", [
+    lambda x: L.Linear(8, 5, seed=0)(x),
+    lambda x: L.GRU(8, 4, seed=0)(x)[0],
+    lambda x: L.LSTM(8, 4, seed=0).step(x[:, 0])[0],
+    lambda x: L.Attention(8, seed=0)(x),
+    lambda x: L.SelfAttention(8, seed=0)(x),
+], ids=["Linear", "GRU", "LSTM.step", "Attention", "SelfAttention"])
+def test_layers_accept_bool_inputs_like_ints(call):
+    """Layers refused bool inputs ('expected real numbers') while taking ints,
+    and while the functional ops and MultiHeadAttention take both: bool is
+    now computed like the integers, in float64."""
+    xb = np.random.default_rng(0).random((2, 3, 8)) < 0.5
+    got = call(xb)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, call(xb.astype(np.int64)))
+    np.testing.assert_array_equal(got, call(xb.astype(np.float64)))
+
+
+def test_layer_rank_message_is_short():
+    with pytest.raises(ValueError, match=r"^x: expected a 1-d to 32-d array, got 0-d array of shape \(\)$"):
+        L.Linear(8, 5)(np.float64(1.0))
