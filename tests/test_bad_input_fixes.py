@@ -156,3 +156,14 @@ def test_layers_accept_bool_inputs_like_ints(call):
 def test_layer_rank_message_is_short():
     with pytest.raises(ValueError, match=r"^x: expected a 1-d to 32-d array, got 0-d array of shape \(\)$"):
         L.Linear(8, 5)(np.float64(1.0))
+
+
+# ----------------------------------------- init_params with zero-size dims
+
+@pytest.mark.parametrize("name,dims", [("general", {}), ("additive", {"d_a": 0}), ("concat", {"d_a": 2})])
+def test_init_params_zero_size(name, dims):
+    """Glorot's limit sqrt(6 / fan) raised ZeroDivisionError for a (0, 0) matrix."""
+    p = fastattn.get_similarity(name).init_params(0, 0, rng=0, **dims)
+    q, k, v = np.zeros((2, 3, 0)), np.zeros((2, 4, 0)), np.ones((2, 4, 5))
+    o = fastattn.attention(q, k, v, name, params=p)
+    np.testing.assert_allclose(o, np.ones((2, 3, 5)))  # all scores equal: the mean of v
