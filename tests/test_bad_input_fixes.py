@@ -167,3 +167,34 @@ def test_init_params_zero_size(name, dims):
     q, k, v = np.zeros((2, 3, 0)), np.zeros((2, 4, 0)), np.ones((2, 4, 5))
     o = fastattn.attention(q, k, v, name, params=p)
     np.testing.assert_allclose(o, np.ones((2, 3, 5)))  # all scores equal: the mean of v
+
+
+# ------------- a plugin's NaN scores caused by NaN inputs: the message says so
+
+class _NumpyDot(fastattn.Similarity):
+    name = "bad_input_numpy_dot"
+
+    def score(self, query, key, params):
+        return query @ np.swapaxes(key, -1, -2)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "compiled"])
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_plugin_nan_scores_name_the_nonfinite_input(kind, where):
+    """A plugin turning a NaN input into NaN scores was told 'score returned NaN'
+    with nothing pointing at the input; the message now names it."""
+    import fastattn.testing
+
+    sim = _NumpyDot() if kind == "numpy" else fastattn.testing.selftest_similarity()
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5, 2))
+    (q if where == "query" else k)[1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match=rf"score returned NaN or \+inf values .*; {where} contains NaN "
+                                         r"or infinite values"):
+        fastattn.attention(q, k, v, sim)
+    with pytest.raises(ValueError, match=rf"; {where} contains NaN"):
+        F.PreparedAttention(k, v, sim)(q)
+    # a plugin writing NaN into finite inputs' scores is still blamed alone
+    with pytest.raises(ValueError, match=r"score returned NaN or \+inf values \(only -inf, 'may not attend', is allowed\)$"):
+        fastattn.attention(np.nan_to_num(q), np.nan_to_num(k), v, fastattn.testing.selftest_similarity(),
+                           params={"mode": 2.0})
