@@ -198,3 +198,14 @@ def test_plugin_nan_scores_name_the_nonfinite_input(kind, where):
     with pytest.raises(ValueError, match=r"score returned NaN or \+inf values \(only -inf, 'may not attend', is allowed\)$"):
         fastattn.attention(np.nan_to_num(q), np.nan_to_num(k), v, fastattn.testing.selftest_similarity(),
                            params={"mode": 2.0})
+
+
+def test_self_attention_errors_name_x():
+    """SelfAttention.forward(x) reported bad inputs as 'query' (its parent's name)."""
+    layer = L.SelfAttention(4, seed=0)
+    with pytest.raises(ValueError, match=r"^x: expected last dim 4, got shape \(2, 3, 5\)"):
+        layer(np.zeros((2, 3, 5)))
+    with pytest.raises(ValueError, match=r"^x: expected a 2-d or 3-d array"):
+        layer(np.zeros(4))
+    with pytest.raises(TypeError, match=r"^x: expected real numbers"):
+        layer(np.zeros((3, 4), complex))

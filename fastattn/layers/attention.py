@@ -195,6 +195,7 @@ class SelfAttention(Attention):
 
     def forward(self, x, *, attn_mask=None, key_mask=None, return_weights=False, n_threads=None):
         """x (B, L, embed_dim) or (L, embed_dim)."""
+        x = as_float_input(x, "x", (2, 3), last=self._dims["query_dim"])  # errors name x, not query
         return super().forward(x, None, None, attn_mask=attn_mask, key_mask=key_mask,
                                is_causal=self.causal, return_weights=return_weights,
                                n_threads=n_threads)
