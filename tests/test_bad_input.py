@@ -446,6 +446,26 @@ def test_row07_zero_size_explain_and_weights():
         np.testing.assert_allclose(w, np.full((2, 3, 5), 0.2))  # all scores equal: uniform
 
 
+def test_row07_zero_size_documented_values():
+    x = _r(2, 3, 4)
+    o = fastattn.multi_head_attention(x, _r(2, 0, 4), _r(2, 0, 4), **_MHA_W)
+    np.testing.assert_allclose(o, np.broadcast_to(_MHA_W["b_out"], (2, 3, 4)))  # no key: the bias
+    with pytest.raises(ValueError, match=r"^query: expected an embedding size E >= 1, got E=0"):
+        fastattn.multi_head_attention(_r(2, 3, 0), _r(2, 3, 0), _r(2, 3, 0), num_heads=1,
+                                      w_qkv=np.zeros((0, 0)), w_out=np.zeros((1, 0)))
+    b = _r(6)
+    np.testing.assert_allclose(F.linear(_r(5, 0), _r(6, 0), b), np.broadcast_to(b, (5, 6)))
+    h0 = _r(2, 4)
+    out, h, _ = F.rnn_scan(_r(2, 0, 12), _r(12, 4), None, h0)
+    assert out.shape == (2, 0, 4)
+    np.testing.assert_array_equal(h, h0)
+    enc = L.RNNEncoder(10, 3, 4, seed=0)
+    s2s = L.Seq2Seq(enc, L.AttentionDecoder(10, 3, 4, 4, seed=0), bos_id=1, eos_id=2)
+    tokens, lengths, scores, align = s2s.greedy_decode(np.ones((2, 3), np.int64), lengths=[0, 3], max_len=4)
+    assert tokens.shape == (2, 4) and np.isfinite(scores).all()
+    np.testing.assert_array_equal(align[0], 0)  # an all-padding source: no attention at all
+
+
 # ======================================================================
 # Rows 8-9: memory layouts (non-contiguous last axis, negative strides,
 # zero strides, read-only): the result of a C-contiguous copy, input untouched
@@ -463,6 +483,9 @@ def _layout(a, kind):
         return np.ascontiguousarray(a[::-1])[::-1]
     if kind == "zero_stride_batch":
         return np.broadcast_to(a[:1], a.shape)
+    if kind == "unaligned":
+        from conftest import make_layout
+        return make_layout(a, "unaligned")
     if kind == "read_only":
         b = a.copy()
         b.flags.writeable = False
@@ -471,7 +494,7 @@ def _layout(a, kind):
 
 
 LAYOUTS = ["fortran", "last_axis_stride2", "negative_last_axis", "negative_rows", "negative_batch",
-           "zero_stride_batch", "read_only"]
+           "zero_stride_batch", "read_only", "unaligned"]
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -724,6 +747,23 @@ def _compiled_layer(dtype, mode):
     sd = layer.state_dict()
     sd["sim.mode"] = np.asarray(mode, dtype)
     return layer.load_state_dict(sd)
+
+
+def test_row13_neg_inf_scores_mask_and_lists_are_converted():
+    class NegInfFirstKey(fastattn.Similarity):
+        name = "neg_inf_first_key"
+
+        def score(self, query, key, params):
+            s = query @ np.swapaxes(key, -1, -2)
+            s[..., 0] = -np.inf
+            return s.tolist()
+
+    q, k, v = _r(2, 3, 4), _r(2, 5, 4), _r(2, 5, 6)
+    o, w = fastattn.attention(q, k, v, NegInfFirstKey(), return_weights=True)
+    np.testing.assert_array_equal(w[..., 0], 0)
+    mask = np.ones((3, 5), bool)
+    mask[:, 0] = False
+    np.testing.assert_allclose(o, fastattn.attention(q, k, v, "dot", attn_mask=mask), rtol=1e-12, atol=1e-12)
 
 
 def test_row13_invalid_similarity_objects():
