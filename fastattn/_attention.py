@@ -381,8 +381,17 @@ def _score_tile(sim, qt, kt, params, cdt):
     if bad:
         raise ValueError(
             f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
-            "'may not attend', is allowed)")
+            f"'may not attend', is allowed){_nonfinite_inputs(qt, kt)}")
     return s
+
+
+def _nonfinite_inputs(q, k) -> str:
+    """The end of a 'score returned NaN' message: which input holds NaN / inf, if any."""
+    bad = [n for n, a in (("query", q), ("key", k)) if a is not None and not np.isfinite(a).all()]
+    if not bad:
+        return ""
+    return (f"; {' and '.join(bad)} contain{'s' if len(bad) == 1 else ''} NaN or infinite values "
+            "(a similarity plugin's scores must be finite or -inf: check the inputs)")
 
 
 def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
@@ -670,17 +679,18 @@ def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed):
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
                                       packed, kind == _scores.SCORE_PLUGIN)
     if rc:
-        _raise_kernel(rc, prc, c.sim)
+        _raise_kernel(rc, prc, c.sim, c)
 
 
-def _raise_kernel(rc, prc, sim):
+def _raise_kernel(rc, prc, sim, c=None):
     if rc == _scores.FA_ENOMEM:
         raise MemoryError("fastattn: could not allocate kernel scratch memory")
     if rc == _scores.FA_ESCORE:
         raise SimilarityError(
             f"similarity {sim.name!r}: the compiled score function returned error code {prc}")
     if rc == _scores.FA_ENONFINITE:
+        hint = "" if c is None else _nonfinite_inputs(getattr(c, "q", None), getattr(c, "k", None))
         raise ValueError(
             f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
-            "'may not attend', is allowed)")
+            f"'may not attend', is allowed){hint}")
     raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")  # a bug

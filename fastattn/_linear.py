@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _proj, _threads
-from ._validation import BLAS_INT_MAX, canonical_matrix_stack, check_float_kind
+from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
 
 #: rows up to which NumPy's matmul is used, by case (see the module docstring)
 NUMPY_MAX_ROWS_F32 = 1        # float32 with the AVX2 few-row kernel
@@ -101,17 +101,17 @@ def linear(x, weight, bias=None, *, n_threads=None):
     never modified.  ``n_threads``: fastattn's thread count for products of
     more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
     """
-    x = x if isinstance(x, np.ndarray) else np.asarray(x)
-    w = weight if isinstance(weight, np.ndarray) else np.asarray(weight)
+    x = x if isinstance(x, np.ndarray) else as_array(x, "x")
+    w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
     check_float_kind(x, "x")
     check_float_kind(w, "weight")
     if w.ndim != 2:
         raise ValueError(f"weight: expected a 2-d array (out_features, in_features), got shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x: expected last dim {w.shape[1]} (weight's in_features), got shape {x.shape}")
-    cdt = _F32 if (x.dtype == _F32 and w.dtype == _F32 and (bias is None or np.asarray(bias).dtype == _F32)) else _F64
-    if bias is not None:
-        b = bias if isinstance(bias, np.ndarray) else np.asarray(bias)
+    b = None if bias is None else bias if isinstance(bias, np.ndarray) else as_array(bias, "bias")
+    cdt = _F32 if (x.dtype == _F32 and w.dtype == _F32 and (b is None or b.dtype == _F32)) else _F64
+    if b is not None:
         check_float_kind(b, "bias")
         if b.shape != (w.shape[0],):
             raise ValueError(f"bias: expected shape ({w.shape[0]},), got {b.shape}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels, _rnn, _threads
-from ._validation import BLAS_INT_MAX, check_float_kind
+from ._validation import BLAS_INT_MAX, as_array, check_float_kind
 
 __all__ = ["rnn_scan", "rnn_cell", "RNN_CELLS"]
 
@@ -50,7 +50,7 @@ def _ensure_runtime():
 
 
 def _array(x, name):
-    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    a = x if isinstance(x, np.ndarray) else as_array(x, name)
     check_float_kind(a, name)
     return a
 
@@ -115,7 +115,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         raise ValueError(f"c0: only an LSTM has a cell state, got one for cell {cell!r}")
     lens = None
     if lengths is not None:
-        la = np.asarray(lengths)
+        la = as_array(lengths, "lengths")
         if la.dtype.kind not in "iu":
             raise TypeError(f"lengths: expected integers, got dtype {la.dtype}")
         if la.shape != (B,):
