@@ -71,6 +71,7 @@ __all__ = ["linear"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
+_F16 = np.dtype(np.float16)
 _runtime_done = False
 
 
@@ -82,6 +83,22 @@ def _ensure_runtime():
 
         _threads.ensure_blas_hook()
         _runtime_done = True
+
+
+def _dtypes(*arrays):
+    """(compute dtype, result dtype): float32 when every array (None skipped) is
+    float32 or float16, float64 otherwise; float16 results when all are float16
+    (computed in float32), as the attention functions do."""
+    all16 = True
+    for a in arrays:
+        if a is None:
+            continue
+        dt = a.dtype
+        if dt != _F32 and dt != _F16:
+            return _F64, _F64
+        if dt != _F16:
+            all16 = False
+    return (_F32, _F16) if all16 else (_F32, _F32)
 
 
 def numpy_max_rows(dtype) -> int:
@@ -96,8 +113,9 @@ def linear(x, weight, bias=None, *, n_threads=None):
     """``x @ weight.T + bias`` (torch's ``F.linear``).
 
     x : array_like (..., in_features); weight : (out_features, in_features);
-    bias : (out_features,) or None.  float32 when every argument is float32,
-    float64 otherwise.  Returns a new array (..., out_features); inputs are
+    bias : (out_features,) or None.  float32 when every argument is float32
+    (or float16), float64 otherwise; float16 when every argument is float16
+    (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
     never modified.  ``n_threads``: fastattn's thread count for products of
     more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
     """
@@ -110,7 +128,7 @@ def linear(x, weight, bias=None, *, n_threads=None):
     if x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x: expected last dim {w.shape[1]} (weight's in_features), got shape {x.shape}")
     b = None if bias is None else bias if isinstance(bias, np.ndarray) else as_array(bias, "bias")
-    cdt = _F32 if (x.dtype == _F32 and w.dtype == _F32 and (b is None or b.dtype == _F32)) else _F64
+    cdt, rdt = _dtypes(x, w, b)
     if b is not None:
         check_float_kind(b, "bias")
         if b.shape != (w.shape[0],):
@@ -130,9 +148,10 @@ def linear(x, weight, bias=None, *, n_threads=None):
         y = np.matmul(xc, wc.T)
         if b is not None:
             y += b
-        return y
+        return y if rdt is cdt else y.astype(rdt)
     _ensure_runtime()
     x3 = canonical_matrix_stack(xc.reshape(1, rows, K), cdt)  # a view for C-ordered x
     y = np.empty((1, rows, N), dtype=cdt)
     _proj.linear(x3, canonical_matrix_stack(wc, cdt), b, y, nt)
-    return y.reshape(x.shape[:-1] + (N,))
+    y = y.reshape(x.shape[:-1] + (N,))
+    return y if rdt is cdt else y.astype(rdt)

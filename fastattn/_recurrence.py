@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels, _rnn, _threads
+from ._linear import _dtypes
 from ._validation import BLAS_INT_MAX, as_array, check_float_kind
 
 __all__ = ["rnn_scan", "rnn_cell", "RNN_CELLS"]
@@ -76,7 +77,8 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     return_outputs : False skips writing the (B, T, H) outputs.
 
     Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
-    float32 when every float argument is float32, float64 otherwise.  Inputs
+    float32 when every float argument is float32, float64 otherwise (float16
+    arguments are computed in float32; all float16 gives float16 results).  Inputs
     are never modified.  Equations: torch's (see csrc/fa_rnn.h).
     """
     if not isinstance(cell, str) or cell not in RNN_CELLS:
@@ -126,7 +128,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     if not isinstance(reverse, (bool, np.bool_)):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
     nt = _threads.resolve(n_threads)
-    ct = _F32 if all(a.dtype == _F32 for a in arrays) else _F64
+    ct, rdt = _dtypes(*arrays)
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -134,7 +136,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         c = np.zeros((B, H), ct) if c is None else np.array(c, dtype=ct, order="C", copy=True)
     out = np.zeros((B, T, H), ct) if return_outputs else None
     if B == 0 or T == 0 or H == 0:
-        return out, h, c
+        return _as(out, rdt), _as(h, rdt), _as(c, rdt)
     if max(GH, B, H) > BLAS_INT_MAX:
         raise ValueError(f"xw: sizes beyond the BLAS 32-bit range are not supported, got shape {xw.shape}")
     xc = xw.astype(ct, copy=False)
@@ -146,7 +148,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     bc = None if b is None else np.ascontiguousarray(b, dtype=ct)
     _ensure_runtime()
     _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
-    return out, h, c
+    return _as(out, rdt), _as(h, rdt), _as(c, rdt)
 
 
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):
@@ -157,8 +159,8 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     previous cell state (LSTM only; zeros when omitted).  Gates and equations
     as in :func:`rnn_scan`.
 
-    Returns ``(h', c')`` (``c'`` None except for LSTM), new arrays, float32
-    when every float argument is float32, float64 otherwise.  The hidden units
+    Returns ``(h', c')`` (``c'`` None except for LSTM), new arrays, dtypes
+    as for :func:`rnn_scan`.  The hidden units
     are split into blocks across fastattn's threads, each block reading only
     its own rows of the weights -- for a decoder step at B = 1 that is what
     lets two cores share the reading of the weights.
@@ -206,17 +208,13 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     elif c is not None:
         raise ValueError(f"c: only an LSTM has a cell state, got one for cell {cell!r}")
     nt = _threads.resolve(n_threads)
-    ct = _F32
-    for a in arrays:
-        if a.dtype != _F32:
-            ct = _F64
-            break
+    ct, rdt = _dtypes(*arrays)
     h0 = _contig(h, ct)
     c0 = None
     if cell == "lstm":
         c0 = np.zeros((B, H), ct) if c is None else _contig(c, ct)
     if B == 0 or H == 0:
-        return h0.copy(), (None if c0 is None else c0.copy())
+        return _as(h0.copy(), rdt), (None if c0 is None else _as(c0.copy(), rdt))
     if max(G * H, B, In) > BLAS_INT_MAX:
         raise ValueError(f"x: sizes beyond the BLAS 32-bit range are not supported, got shape {x.shape}")
     h1 = np.empty((B, H), ct)
@@ -229,7 +227,7 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     if not _runtime_done:
         _ensure_runtime()
     _rnn.cell(_rnn.CELLS[cell], _rows(x, ct), _rows(wi, ct), bic, _rows(wh, ct), bhc, h0, c0, h1, c1, nt)
-    return h1, c1
+    return _as(h1, rdt), _as(c1, rdt)
 
 
 def _gru_plain(x, h, wi, bi, wh, bh):
@@ -252,6 +250,10 @@ def _gru_plain(x, h, wi, bi, wh, bh):
     h1 = np.empty((B, H), f)
     _rnn.cell(2, x, wi, bi, wh, bh, h, None, h1, None, _threads.resolve(None))
     return h1
+
+
+def _as(a, rdt):
+    return a if a is None or a.dtype == rdt else a.astype(rdt)
 
 
 def _contig(a, ct):

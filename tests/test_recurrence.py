@@ -263,3 +263,23 @@ def test_cell_plain_float32_gru_path(simd_mode, B, I, H, rng):
     np.testing.assert_array_equal(strided, fast)
     with pytest.raises(ValueError, match=r"w_ih: expected shape"):
         F.rnn_cell(x, h, wi[:, :-1], bi, wh, bh)
+
+
+def test_float16_policy_matches_the_attention_functions(rng):
+    """float16 everywhere -> float16 result computed in float32; float16 with float32
+    -> float32; with float64 (or integers) -> float64."""
+    x = rng.standard_normal((3, 5))
+    w = rng.standard_normal((4, 5))
+    h = F.linear(x.astype(np.float16), w.astype(np.float16))
+    assert h.dtype == np.float16
+    np.testing.assert_allclose(h, x.astype(np.float16).astype(np.float32) @ w.astype(np.float16).astype(np.float32).T,
+                               rtol=2e-3, atol=2e-3)
+    assert F.linear(x.astype(np.float16), w.astype(np.float32)).dtype == np.float32
+    assert F.linear(x.astype(np.float16), w).dtype == np.float64
+    wi, bi, wh, bh = _weights(rng, "gru", 5, 4, np.float16)
+    h1, _ = F.rnn_cell(x.astype(np.float16), np.zeros((3, 4), np.float16), wi, bi, wh, bh)
+    out, hT, _ = F.rnn_scan(np.zeros((3, 2, 12), np.float16), wh, bh, np.zeros((3, 4), np.float16))
+    assert h1.dtype == out.dtype == hT.dtype == np.float16
+    h32, _ = F.rnn_cell(x.astype(np.float16), np.zeros((3, 4), np.float32), wi, bi, wh, bh)
+    assert h32.dtype == np.float32
+    np.testing.assert_allclose(h1, h32, rtol=2e-3, atol=2e-3)
