@@ -26,7 +26,7 @@ from fastattn.layers import MultiHeadAttention
 
 from conftest import assert_close, check_weights, prop_settings
 from test_multihead import make_params, packed
-from test_properties_all import F32, F64, _f32, assert_agree
+from test_properties_all import F32, F64, LAYOUTS_ND, _f32, assert_agree, lay
 
 OPS = ["functional", "layer"]
 
@@ -76,7 +76,8 @@ def problems(draw, op, *, causal=None, bias=None, self_attn=None, key_mask=None)
                 m=m, km=km, causal=draw(st.booleans()) if causal is None else causal,
                 align=draw(st.sampled_from(["top_left", "bottom_right"])),
                 scale=draw(st.sampled_from([None, None, 0.3])) if op == "functional" else None,
-                form=draw(st.sampled_from(["packed", "separate"])), rng=rng)
+                form=draw(st.sampled_from(["packed", "separate"])), rng=rng,
+                layouts=tuple(draw(st.sampled_from(LAYOUTS_ND)) for _ in range(3)))
 
 
 def _layer(c, dt):
@@ -97,10 +98,11 @@ def _layer(c, dt):
 def run(c, *, weights=False, average=False, dtype=None):
     """The op on the case's arrays in ``dtype``: (output, per-head or averaged weights)."""
     dt = c["dtype"] if dtype is None else np.dtype(dtype)
-    q = c["q"].astype(dt)
+    lq, lk, lv = c["layouts"]
+    q = lay(c["q"], lq, dt)
     # self-attention passes one array three times (the one-GEMM packed path)
-    k = q if c["self"] else c["k"].astype(dt)
-    v = k if c["v"] is c["k"] else c["v"].astype(dt)
+    k = q if c["self"] else lay(c["k"], lk, dt)
+    v = k if c["v"] is c["k"] else lay(c["v"], lv, dt)
     m = c["m"] if c["m"] is None or c["m"].dtype == np.bool_ else c["m"].astype(dt)
     kw = dict(attn_mask=m, key_mask=c["km"], is_causal=c["causal"], causal_alignment=c["align"],
               return_weights=weights, average_weights=average)
