@@ -220,10 +220,15 @@ def _params_as(P, dtype):
     return {n: (np.asarray(x, dtype) if isinstance(x, np.ndarray) else x) for n, x in P.items()}
 
 
-def run(c, *, weights=False, dtype=None):
-    """``c["op"]`` on the arrays of ``c`` (in ``dtype``, default ``c["dtype"]``)."""
+def run(c, *, weights=False, dtype=None, dtypes=None):
+    """``c["op"]`` on the arrays of ``c`` (in ``dtype``, default ``c["dtype"]``;
+    or query, key, value in ``dtypes``, the mask and parameters then in
+    their promoted dtype)."""
     dt = c["dtype"] if dtype is None else np.dtype(dtype)
-    q, k, v = (lay(c[n], layout, dt) for n, layout in zip("qkv", c["layouts"]))
+    dts = (dt,) * 3 if dtypes is None else tuple(np.dtype(t) for t in dtypes)
+    if dtypes is not None:
+        dt = np.result_type(*dts)
+    q, k, v = (lay(c[n], layout, t) for n, layout, t in zip("qkv", c["layouts"], dts))
     m = _mask_as(c["m"], dt)
     op = c["op"]
     if op == "sdpa":
@@ -414,3 +419,27 @@ def test_float32_and_float64_agree(op, data):
     s32, s64 = run(c, dtype=F32), run(c, dtype=F64)
     assert_agree(s32, s64, F32, factor=1.0)
 
+
+
+@pytest.mark.parametrize("op", OPS)
+@prop_settings(0.3)
+@given(data=st.data(), dtypes=st.sampled_from([(F32, F64, F64), (F64, F32, F32), (F32, F32, F64),
+                                                (F64, F64, F32)]))
+def test_mixed_dtypes_and_float16(op, data, dtypes):
+    """Mixed float32 / float64 inputs compute in float64 (NumPy promotion):
+    the float64 result of the same values.  float16 inputs compute in
+    float32 and come back as float16, within half a float16 ulp of the oracle."""
+    c = data.draw(problems(op))
+    o, w = run(c, weights=True, dtypes=dtypes)
+    o64, w64 = run(c, weights=True, dtype=F64)
+    assert o.dtype == F64 and w.dtype == F64
+    assert_agree(o, o64, F64)
+    assert_agree(w, w64, F64)
+    h = dict(c, **{n: c[n].astype(np.float16).astype(np.float64) for n in "qkv"})
+    if c["m"] is not None and c["m"].dtype != np.bool_:
+        h["m"] = c["m"].astype(np.float16).astype(np.float64)
+    o16, w16 = run(h, weights=True, dtype=np.float16)
+    assert o16.dtype == np.float16 and w16.dtype == np.float16
+    ref_o, ref_w = oracle(h)
+    assert_close(o16, ref_o, np.float16)
+    assert_close(w16, ref_w, np.float16)
