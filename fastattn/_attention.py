@@ -375,7 +375,10 @@ def _score_tile(sim, qt, kt, params, cdt):
                 f"similarity {sim.name!r}: score returned values out of {cdt.name} range "
                 f"(the compute dtype; max {np.finfo(cdt).max:.4g}), got max |score| {big:.4g} "
                 f"in {s.dtype}")
-    s = s.astype(cdt, copy=True)
+    # a fresh C-ordered copy: it is changed in place below, and pv_acc reads
+    # it as rows with a contiguous last axis (score() may return any layout:
+    # NumPy keeps its operands' order, e.g. Fortran-ordered for such keys)
+    s = s.astype(cdt, order="C", copy=True)
     with np.errstate(invalid="ignore"):
         bad = np.isnan(s).any() or np.isposinf(s).any()
     if bad:

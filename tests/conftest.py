@@ -14,10 +14,44 @@ import tempfile
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import fastattn
 from fastattn import _kernels
 from fastattn._reference import scaled_dot_product_attention as oracle_sdpa
+
+# --------------------------------------------------------------------------
+# Hypothesis profiles (see docs/testing.md).  Chosen by HYPOTHESIS_PROFILE:
+#
+# ci    (the default) derandomized -- every run draws the same examples, so a
+#       red CI run is red again locally -- no example database, no deadline
+#       (the machine is shared; timing is not a property), and the failing
+#       example's reproduction blob printed.  Budgeted so that every property
+#       file together stays within ~30 s of the default pytest run.
+# long  25x the examples, random (a fresh search each run), failures kept in
+#       the local .hypothesis/ database and replayed first on the next run.
+#
+# Property tests take their example count from ``prop_settings(weight)``:
+# weight x the profile's base count, so one profile scales every test.
+
+PROFILE_BASE_EXAMPLES = {"ci": 20, "long": 500}
+
+settings.register_profile(
+    "ci", max_examples=PROFILE_BASE_EXAMPLES["ci"], deadline=None, derandomize=True,
+    database=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "long", max_examples=PROFILE_BASE_EXAMPLES["long"], deadline=None, derandomize=False,
+    print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def prop_settings(weight=1.0, **overrides):
+    """Settings of one property test: ``weight`` x the profile's base example
+    count (cheap tests get more, costly ones less), the rest from the profile."""
+    n = max(1, round(settings.default.max_examples * weight))
+    return settings(max_examples=n, **overrides)
+
 
 # --------------------------------------------------------------------------
 # Tolerances: the one table.

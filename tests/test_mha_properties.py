@@ -1,18 +1,18 @@
-"""Hypothesis properties of multi_head_attention (derandomized: the same examples every run)."""
+"""Hypothesis properties of multi_head_attention (profile: see docs/testing.md)."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fastattn
-from conftest import assert_close, tol
+from conftest import assert_close, prop_settings, tol
 from test_multihead import make_params, packed, ref
 
 mha = fastattn.multi_head_attention
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# 40 examples under the ci profile (2 x its base), 25x that under long
+SETTINGS = prop_settings(2, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @st.composite

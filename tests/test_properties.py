@@ -1,17 +1,17 @@
-"""Hypothesis properties (derandomized: the same examples every run)."""
+"""Hypothesis properties (budget and randomness from the hypothesis profile, see docs/testing.md)."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fastattn
-from conftest import allowed_matrix, assert_close, check_weights, oracle, tol
+from conftest import allowed_matrix, assert_close, check_weights, oracle, prop_settings, tol
 
 sdpa = fastattn.scaled_dot_product_attention
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+# 40 examples under the ci profile (2 x its base), 25x that under long
+SETTINGS = prop_settings(2, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @st.composite

@@ -1,20 +1,20 @@
 """Hypothesis properties of fastattn.attention with the non-dot similarities
-(derandomized: the same examples every run): agreement with the oracle,
+(profile: see docs/testing.md): agreement with the oracle,
 weights that sum to 1 over allowed keys, causality."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fastattn
 import fastattn.testing
 from fastattn import _reference as R
 
-from conftest import allowed_matrix, assert_close, check_weights
+from conftest import allowed_matrix, assert_close, check_weights, prop_settings
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+# 40 examples under the ci profile (2 x its base), 25x that under long
+SETTINGS = prop_settings(2, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
