@@ -346,3 +346,19 @@ def test_fork_while_another_thread_is_in_a_parallel_call(rng):
         th.join()
     qs = q[:, :, :64]
     assert_close(box["r"][:, :, :64], oracle_sdpa(qs, q, q))
+
+
+def test_prepared_attention_interrupted_first_call(rng, default_sigint):
+    """An interrupted first call of a PreparedAttention keeps no reference to
+    its query (the signature's cached entry drops it, as a completed call does)."""
+    import sys
+
+    k = rng.standard_normal((1, 4, 16384, 64)).astype(np.float32)
+    sim = fastattn.testing.selftest_similarity()
+    prep = fastattn.functional.PreparedAttention(k, k, sim, params={"gamma": 0.05}, n_threads=2)
+    q = rng.standard_normal((1, 4, 16384, 64)).astype(np.float32)
+    refs = sys.getrefcount(q)
+    completed, lat = run_interrupted(lambda: prep(q))
+    assert not completed and lat < 1.0
+    assert sys.getrefcount(q) == refs
+    check_pool_after(rng)
