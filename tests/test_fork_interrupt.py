@@ -362,3 +362,35 @@ def test_prepared_attention_interrupted_first_call(rng, default_sigint):
     assert not completed and lat < 1.0
     assert sys.getrefcount(q) == refs
     check_pool_after(rng)
+
+
+@pytest.mark.parametrize("B,H,cell", [(1, 160, "gru"), (9, 40, "lstm"), (2, 192, "lstm"),
+                                      (33, 16, "rnn_tanh")])
+def test_rnn_scan_chunks_change_nothing(rng, B, H, cell):
+    """Main-thread scans run in chunks of steps (interrupt checks between
+    them): any chunk length gives the one-chunk result exactly, in both
+    directions, with and without lengths, row blocks and unit split alike."""
+    G = {"gru": 3, "lstm": 4, "rnn_tanh": 1}[cell]
+    T = 37
+    for dt in (np.float32, np.float64):
+        xw = rng.standard_normal((B, T, G * H)).astype(dt)
+        w = (rng.standard_normal((G * H, H)) * 0.2).astype(dt)
+        b = rng.standard_normal(G * H).astype(dt)
+        h0 = rng.standard_normal((B, H)).astype(dt)
+        lens = rng.integers(0, T + 1, B)
+        for rev in (False, True):
+            for L in (None, lens):
+                ref = F.rnn_scan(xw, w, b, h0, cell=cell, lengths=L, reverse=rev, n_threads=2)
+                prev = _rnn.set_tuning()
+                try:
+                    for steps in (1, 2, 5):
+                        _rnn.set_tuning(chunk_flops=steps * 2.0 * B * G * H * H)
+                        got = F.rnn_scan(xw, w, b, h0, cell=cell, lengths=L, reverse=rev,
+                                         n_threads=2)
+                        for x, y in zip(ref, got):
+                            if x is None:
+                                assert y is None
+                            else:
+                                np.testing.assert_array_equal(x, y)
+                finally:
+                    _rnn.set_tuning(**prev)
