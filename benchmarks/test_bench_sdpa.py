@@ -182,6 +182,9 @@ def test_sdpa(benchmark, case, impl):
         fn = _bench.impl_callable(impl, data.q, data.k, data.v, case.causal, N_THREADS, torch)
         first = np.asarray(fn())  # checked before anything is timed
         assert_close(first, case, data.expected, impl)
+        # rest: the oracle just computed (NumPy's threaded OpenBLAS) and this
+        # first call may leave worker threads spinning for ~100 ms
+        _bench.quiesce()
         t0 = time.perf_counter()
         fn()  # the second call decides how to time (the first may include set-up)
         first_s = time.perf_counter() - t0

@@ -212,7 +212,15 @@ class PreparedAttention:
         p = t.p
         if t.kcache:  # the fused additive kernel with the keys projected and padded
             wq, b, kx, packed, bq, nt_k = t.kcache
-            qx = _project(canonical_matrix_stack(q, p.cdt), wq, b, p.cdt, nt_k)
+            qc = canonical_matrix_stack(q, p.cdt)
+            if qc.size // max(qc.shape[-1], 1) <= _FEW_ROWS and kx.shape[-1] == wq.shape[0] and qc.size:
+                # a decoder step's query: no padding needed, the same product as _project's
+                qx = np.matmul(qc.reshape(-1, qc.shape[-1]), wq.T)
+                if b is not None:
+                    qx += b
+                qx = qx.reshape(qc.shape[:-1] + (wq.shape[0],))
+            else:
+                qx = _project(qc, wq, b, p.cdt, nt_k)
             res = np.empty(p.batch + (p.Lq, p.dv), dtype=p.cdt)
             weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
             _launch_additive(t, qx, kx, p.v, res, weights, bq, nt_k, _scores.SCORE_ADDITIVE, 0, packed)
@@ -374,8 +382,17 @@ def _score_tile(sim, qt, kt, params, cdt):
     if bad:
         raise ValueError(
             f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
-            "'may not attend', is allowed)")
+            f"'may not attend', is allowed){_nonfinite_inputs(qt, kt)}")
     return s
+
+
+def _nonfinite_inputs(q, k) -> str:
+    """The end of a 'score returned NaN' message: which input holds NaN / inf, if any."""
+    bad = [n for n, a in (("query", q), ("key", k)) if a is not None and not np.isfinite(a).all()]
+    if not bad:
+        return ""
+    return (f"; {' and '.join(bad)} contain{'s' if len(bad) == 1 else ''} NaN or infinite values "
+            "(a similarity plugin's scores must be finite or -inf: check the inputs)")
 
 
 def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
@@ -663,17 +680,18 @@ def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed):
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
                                       packed, kind == _scores.SCORE_PLUGIN)
     if rc:
-        _raise_kernel(rc, prc, c.sim)
+        _raise_kernel(rc, prc, c.sim, c)
 
 
-def _raise_kernel(rc, prc, sim):
+def _raise_kernel(rc, prc, sim, c=None):
     if rc == _scores.FA_ENOMEM:
         raise MemoryError("fastattn: could not allocate kernel scratch memory")
     if rc == _scores.FA_ESCORE:
         raise SimilarityError(
             f"similarity {sim.name!r}: the compiled score function returned error code {prc}")
     if rc == _scores.FA_ENONFINITE:
+        hint = "" if c is None else _nonfinite_inputs(getattr(c, "q", None), getattr(c, "k", None))
         raise ValueError(
             f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
-            "'may not attend', is allowed)")
+            f"'may not attend', is allowed){hint}")
     raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")  # a bug

@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _proj, _threads
-from ._validation import BLAS_INT_MAX, canonical_matrix_stack, check_float_kind
+from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
 
 #: rows up to which NumPy's matmul is used, by case (see the module docstring)
 NUMPY_MAX_ROWS_F32 = 1        # float32 with the AVX2 few-row kernel
@@ -71,6 +71,7 @@ __all__ = ["linear"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
+_F16 = np.dtype(np.float16)
 _runtime_done = False
 
 
@@ -82,6 +83,22 @@ def _ensure_runtime():
 
         _threads.ensure_blas_hook()
         _runtime_done = True
+
+
+def _dtypes(*arrays):
+    """(compute dtype, result dtype): float32 when every array (None skipped) is
+    float32 or float16, float64 otherwise; float16 results when all are float16
+    (computed in float32), as the attention functions do."""
+    all16 = True
+    for a in arrays:
+        if a is None:
+            continue
+        dt = a.dtype
+        if dt != _F32 and dt != _F16:
+            return _F64, _F64
+        if dt != _F16:
+            all16 = False
+    return (_F32, _F16) if all16 else (_F32, _F32)
 
 
 def numpy_max_rows(dtype) -> int:
@@ -96,22 +113,23 @@ def linear(x, weight, bias=None, *, n_threads=None):
     """``x @ weight.T + bias`` (torch's ``F.linear``).
 
     x : array_like (..., in_features); weight : (out_features, in_features);
-    bias : (out_features,) or None.  float32 when every argument is float32,
-    float64 otherwise.  Returns a new array (..., out_features); inputs are
+    bias : (out_features,) or None.  float32 when every argument is float32
+    (or float16), float64 otherwise; float16 when every argument is float16
+    (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
     never modified.  ``n_threads``: fastattn's thread count for products of
     more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
     """
-    x = x if isinstance(x, np.ndarray) else np.asarray(x)
-    w = weight if isinstance(weight, np.ndarray) else np.asarray(weight)
+    x = x if isinstance(x, np.ndarray) else as_array(x, "x")
+    w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
     check_float_kind(x, "x")
     check_float_kind(w, "weight")
     if w.ndim != 2:
         raise ValueError(f"weight: expected a 2-d array (out_features, in_features), got shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x: expected last dim {w.shape[1]} (weight's in_features), got shape {x.shape}")
-    cdt = _F32 if (x.dtype == _F32 and w.dtype == _F32 and (bias is None or np.asarray(bias).dtype == _F32)) else _F64
-    if bias is not None:
-        b = bias if isinstance(bias, np.ndarray) else np.asarray(bias)
+    b = None if bias is None else bias if isinstance(bias, np.ndarray) else as_array(bias, "bias")
+    cdt, rdt = _dtypes(x, w, b)
+    if b is not None:
         check_float_kind(b, "bias")
         if b.shape != (w.shape[0],):
             raise ValueError(f"bias: expected shape ({w.shape[0]},), got {b.shape}")
@@ -130,9 +148,10 @@ def linear(x, weight, bias=None, *, n_threads=None):
         y = np.matmul(xc, wc.T)
         if b is not None:
             y += b
-        return y
+        return y if rdt is cdt else y.astype(rdt)
     _ensure_runtime()
     x3 = canonical_matrix_stack(xc.reshape(1, rows, K), cdt)  # a view for C-ordered x
     y = np.empty((1, rows, N), dtype=cdt)
     _proj.linear(x3, canonical_matrix_stack(wc, cdt), b, y, nt)
-    return y.reshape(x.shape[:-1] + (N,))
+    y = y.reshape(x.shape[:-1] + (N,))
+    return y if rdt is cdt else y.astype(rdt)

@@ -185,6 +185,8 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
     if scale is not None and (isinstance(scale, (bool, np.bool_))
                               or not isinstance(scale, (int, float, np.integer, np.floating))):
         raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__} {scale!r}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite real number, got {float(scale)!r}")
     nt = _threads.resolve(n_threads)
 
     self_attention = query is key and key is value

@@ -8,17 +8,19 @@ few-row AVX2 kernel for float32, BLAS otherwise) and the gates with
 fastattn's own vectorised exp and tanh.  Batch rows are split into blocks that
 run on fastattn's worker pool, each block through the whole sequence.
 
-Measured on this project's 2-core machine (GRU, E = H = 256, T = 64, float32,
-2 threads, the layer's forward; the Python loop of NumPy calls it replaces in
-the same run): see benchmarks/test_bench_seq2seq.py and the docstring of
-:func:`rnn_scan`'s caller.
+Measured on this project's 2-core machine, in one interleaved A/B run against
+the Python loop of NumPy calls this replaced (GRU encoder, E = H = 256, T = 64,
+float32, 2 threads, ``Seq2Seq.encode``, median ms): B = 1 3.2 -> 0.9-1.0,
+B = 32 22.6 -> 14.2-15.3; a B = 1 decoder step (``rnn_cell``, additive
+attention) 0.27 -> 0.14.  benchmarks/test_bench_seq2seq.py has the model.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _kernels, _rnn, _threads
-from ._validation import BLAS_INT_MAX, check_float_kind
+from ._linear import _dtypes
+from ._validation import BLAS_INT_MAX, as_array, check_float_kind
 
 __all__ = ["rnn_scan", "rnn_cell", "RNN_CELLS"]
 
@@ -49,7 +51,7 @@ def _ensure_runtime():
 
 
 def _array(x, name):
-    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    a = x if isinstance(x, np.ndarray) else as_array(x, name)
     check_float_kind(a, name)
     return a
 
@@ -75,7 +77,8 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     return_outputs : False skips writing the (B, T, H) outputs.
 
     Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
-    float32 when every float argument is float32, float64 otherwise.  Inputs
+    float32 when every float argument is float32, float64 otherwise (float16
+    arguments are computed in float32; all float16 gives float16 results).  Inputs
     are never modified.  Equations: torch's (see csrc/fa_rnn.h).
     """
     if not isinstance(cell, str) or cell not in RNN_CELLS:
@@ -114,7 +117,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         raise ValueError(f"c0: only an LSTM has a cell state, got one for cell {cell!r}")
     lens = None
     if lengths is not None:
-        la = np.asarray(lengths)
+        la = as_array(lengths, "lengths")
         if la.dtype.kind not in "iu":
             raise TypeError(f"lengths: expected integers, got dtype {la.dtype}")
         if la.shape != (B,):
@@ -125,7 +128,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     if not isinstance(reverse, (bool, np.bool_)):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
     nt = _threads.resolve(n_threads)
-    ct = _F32 if all(a.dtype == _F32 for a in arrays) else _F64
+    ct, rdt = _dtypes(*arrays)
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -133,7 +136,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         c = np.zeros((B, H), ct) if c is None else np.array(c, dtype=ct, order="C", copy=True)
     out = np.zeros((B, T, H), ct) if return_outputs else None
     if B == 0 or T == 0 or H == 0:
-        return out, h, c
+        return _as(out, rdt), _as(h, rdt), _as(c, rdt)
     if max(GH, B, H) > BLAS_INT_MAX:
         raise ValueError(f"xw: sizes beyond the BLAS 32-bit range are not supported, got shape {xw.shape}")
     xc = xw.astype(ct, copy=False)
@@ -145,7 +148,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     bc = None if b is None else np.ascontiguousarray(b, dtype=ct)
     _ensure_runtime()
     _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
-    return out, h, c
+    return _as(out, rdt), _as(h, rdt), _as(c, rdt)
 
 
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):
@@ -156,12 +159,18 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     previous cell state (LSTM only; zeros when omitted).  Gates and equations
     as in :func:`rnn_scan`.
 
-    Returns ``(h', c')`` (``c'`` None except for LSTM), new arrays, float32
-    when every float argument is float32, float64 otherwise.  The hidden units
+    Returns ``(h', c')`` (``c'`` None except for LSTM), new arrays, dtypes
+    as for :func:`rnn_scan`.  The hidden units
     are split into blocks across fastattn's threads, each block reading only
     its own rows of the weights -- for a decoder step at B = 1 that is what
     lets two cores share the reading of the weights.
     """
+    if (cell == "gru" and c is None and n_threads is None and type(x) is np.ndarray
+            and type(h) is np.ndarray and type(w_ih) is np.ndarray and type(w_hh) is np.ndarray
+            and type(b_ih) is np.ndarray and type(b_hh) is np.ndarray):
+        r = _gru_plain(x, h, w_ih, b_ih, w_hh, b_hh)
+        if r is not None:
+            return r, None
     if not isinstance(cell, str) or cell not in RNN_CELLS:
         raise ValueError(f"cell: expected one of {sorted(RNN_CELLS)}, got {cell!r}")
     G = RNN_CELLS[cell]
@@ -199,17 +208,13 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     elif c is not None:
         raise ValueError(f"c: only an LSTM has a cell state, got one for cell {cell!r}")
     nt = _threads.resolve(n_threads)
-    ct = _F32
-    for a in arrays:
-        if a.dtype != _F32:
-            ct = _F64
-            break
+    ct, rdt = _dtypes(*arrays)
     h0 = _contig(h, ct)
     c0 = None
     if cell == "lstm":
         c0 = np.zeros((B, H), ct) if c is None else _contig(c, ct)
     if B == 0 or H == 0:
-        return h0.copy(), (None if c0 is None else c0.copy())
+        return _as(h0.copy(), rdt), (None if c0 is None else _as(c0.copy(), rdt))
     if max(G * H, B, In) > BLAS_INT_MAX:
         raise ValueError(f"x: sizes beyond the BLAS 32-bit range are not supported, got shape {x.shape}")
     h1 = np.empty((B, H), ct)
@@ -222,7 +227,33 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     if not _runtime_done:
         _ensure_runtime()
     _rnn.cell(_rnn.CELLS[cell], _rows(x, ct), _rows(wi, ct), bic, _rows(wh, ct), bhc, h0, c0, h1, c1, nt)
-    return h1, c1
+    return _as(h1, rdt), _as(c1, rdt)
+
+
+def _gru_plain(x, h, wi, bi, wh, bh):
+    """rnn_cell's common case (a decoder step): float32 GRU, C-contiguous arrays,
+    consistent shapes -> h', with the same kernel call; None: take the general path."""
+    f = _F32
+    if not (x.dtype == f and h.dtype == f and wi.dtype == f and wh.dtype == f and bi.dtype == f
+            and bh.dtype == f and x.ndim == 2 and h.ndim == 2 and x.flags.c_contiguous
+            and h.flags.c_contiguous and wi.flags.c_contiguous and wh.flags.c_contiguous
+            and bi.flags.c_contiguous and bh.flags.c_contiguous):
+        return None
+    B, H = h.shape
+    GH = 3 * H
+    if (B == 0 or H == 0 or x.shape[0] != B or x.shape[1] == 0 or wh.shape != (GH, H)
+            or wi.shape != (GH, x.shape[1]) or bi.shape != (GH,) or bh.shape != (GH,)
+            or max(GH, B, x.shape[1]) > BLAS_INT_MAX):
+        return None
+    if not _runtime_done:
+        _ensure_runtime()
+    h1 = np.empty((B, H), f)
+    _rnn.cell(2, x, wi, bi, wh, bh, h, None, h1, None, _threads.resolve(None))
+    return h1
+
+
+def _as(a, rdt):
+    return a if a is None or a.dtype == rdt else a.astype(rdt)
 
 
 def _contig(a, ct):

@@ -220,7 +220,8 @@ def scaled_dot_product_attention(
         ``attn_mask``, a key must be allowed by both (unlike PyTorch, which
         refuses the combination).
     scale : float, optional
-        Multiplies ``Q K^T``; default ``1 / sqrt(d)`` (1 when ``d == 0``).
+        Multiplies ``Q K^T`` (a finite number; NaN and inf raise ValueError);
+        default ``1 / sqrt(d)`` (1 when ``d == 0``).
     return_weights : bool
         Also return the attention weights, shape (..., Lq, Lk).
     causal_alignment : {"top_left", "bottom_right"}
@@ -249,7 +250,8 @@ def scaled_dot_product_attention(
     # and remembers the plan of each signature.  Anything else (including
     # every error) takes the general path.
     if (attn_mask is None and out is None and return_weights is False
-            and (is_causal is False or is_causal is True)):
+            and (is_causal is False or is_causal is True)
+            and (scale is None or type(scale) is not float or math.isfinite(scale))):
         if causal_alignment == "top_left":
             br = False
         elif causal_alignment == "bottom_right":
@@ -373,6 +375,8 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
         if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
             raise TypeError(f"scale: expected a real number, got {type(scale).__name__} {scale!r}")
         scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite real number, got {scale!r}")
 
     nt = _threads.resolve(n_threads)
 

@@ -290,7 +290,7 @@ class Similarity:
                 out[pname] = np.asarray(1.0, dtype=dtype)
                 continue
             fan = sum(shape) if len(shape) > 1 else shape[0] + 1
-            lim = math.sqrt(6.0 / fan)
+            lim = math.sqrt(6.0 / fan) if fan else 0.0  # fan 0: an empty matrix
             out[pname] = rng.uniform(-lim, lim, size=shape).astype(dtype)
         return out
 

@@ -12,15 +12,20 @@ from conftest import assert_close, randn
 from test_similarity import SIMS, make_case
 
 
-@pytest.mark.parametrize("name", SIMS)
+# additive / concat also with d_a = 16: no padding of the projected rows (the
+# decoder-step path projects the query with one matmul)
+CASES = [(n, 7) for n in SIMS] + [(n, 16) for n in ("additive", "additive_norm", "concat")]
+
+
+@pytest.mark.parametrize("name,d_a", CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("return_weights", [False, True])
-def test_matches_attention_and_oracle(name, dtype, masked, return_weights, rng):
+def test_matches_attention_and_oracle(name, d_a, dtype, masked, return_weights, rng):
     B, S, dk, dv = 3, 11, 6, 5
     same = name in ("dot", "scaled_dot", "scaled_dot_s", "cosine", "numpy_plugin", "compiled_plugin")
     dq = dk if same else 4
-    sim, params, score_fn, _ = make_case(name, dtype, dq, dk, rng)
+    sim, params, score_fn, _ = make_case(name, dtype, dq, dk, rng, d_a=d_a)
     k = randn(rng, (B, S, dk), dtype)
     v = randn(rng, (B, S, dv), dtype)
     mask = None

@@ -241,3 +241,45 @@ def test_scan_unit_split_matches_oracle(simd_mode, cell, dtype, B, H, n_threads,
     finally:
         _rnn.set_tuning(**prev)
     np.testing.assert_allclose(hh, hh2, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("B,I,H", [(1, 512, 256), (4, 9, 13)])
+def test_cell_plain_float32_gru_path(simd_mode, B, I, H, rng):
+    """The common decoder-step case (float32 GRU, contiguous arrays, default
+    threads) takes a shorter path: same result as the general one and the oracle;
+    anything unusual (a strided x here) still goes through the general checks."""
+    import fastattn
+
+    wi, bi, wh, bh = _weights(rng, "gru", I, H, np.float32)
+    x = rng.standard_normal((B, I)).astype(np.float32)
+    h = rng.standard_normal((B, H)).astype(np.float32)
+    fast, _ = F.rnn_cell(x, h, wi, bi, wh, bh)
+    general, _ = F.rnn_cell(x, h, wi, bi, wh, bh, n_threads=fastattn.get_num_threads())
+    np.testing.assert_array_equal(fast, general)
+    rh, _ = _ref_step("gru", x, h, None, wi, bi, wh, bh)
+    np.testing.assert_allclose(fast, rh, rtol=8e-5, atol=8e-5)
+    xs = np.repeat(x, 2, axis=1)[:, ::2]  # not contiguous
+    strided, _ = F.rnn_cell(xs, h, wi, bi, wh, bh)
+    np.testing.assert_array_equal(strided, fast)
+    with pytest.raises(ValueError, match=r"w_ih: expected shape"):
+        F.rnn_cell(x, h, wi[:, :-1], bi, wh, bh)
+
+
+def test_float16_policy_matches_the_attention_functions(rng):
+    """float16 everywhere -> float16 result computed in float32; float16 with float32
+    -> float32; with float64 (or integers) -> float64."""
+    x = rng.standard_normal((3, 5))
+    w = rng.standard_normal((4, 5))
+    h = F.linear(x.astype(np.float16), w.astype(np.float16))
+    assert h.dtype == np.float16
+    np.testing.assert_allclose(h, x.astype(np.float16).astype(np.float32) @ w.astype(np.float16).astype(np.float32).T,
+                               rtol=2e-3, atol=2e-3)
+    assert F.linear(x.astype(np.float16), w.astype(np.float32)).dtype == np.float32
+    assert F.linear(x.astype(np.float16), w).dtype == np.float64
+    wi, bi, wh, bh = _weights(rng, "gru", 5, 4, np.float16)
+    h1, _ = F.rnn_cell(x.astype(np.float16), np.zeros((3, 4), np.float16), wi, bi, wh, bh)
+    out, hT, _ = F.rnn_scan(np.zeros((3, 2, 12), np.float16), wh, bh, np.zeros((3, 4), np.float16))
+    assert h1.dtype == out.dtype == hT.dtype == np.float16
+    h32, _ = F.rnn_cell(x.astype(np.float16), np.zeros((3, 4), np.float32), wi, bi, wh, bh)
+    assert h32.dtype == np.float32
+    np.testing.assert_allclose(h1, h32, rtol=2e-3, atol=2e-3)

@@ -47,12 +47,16 @@ def as_float_input(x, name, ndims, last=None):
             x = np.asarray(x)
         except Exception as exc:
             raise TypeError(f"{name}: expected an array of real numbers, got {type(x).__name__} ({exc})") from None
-    if x.dtype.kind not in "fiu" or (x.dtype.kind == "f" and x.dtype.itemsize > 8):
+    if x.dtype.kind not in "fiub" or (x.dtype.kind == "f" and x.dtype.itemsize > 8):
         raise TypeError(f"{name}: expected real numbers (float32/float64), got dtype {x.dtype}")
     if x.dtype.kind != "f" or x.dtype.itemsize < 4:
+        # as the functional ops: integers and bool -> float64, float16 -> float32
         x = x.astype(np.float64 if x.dtype.kind != "f" else np.float32)
     if x.ndim not in ndims:
-        want = " or ".join(f"{n}-d" for n in ndims)
+        if isinstance(ndims, range) and ndims.step == 1 and len(ndims) > 3:
+            want = f"{ndims.start}-d to {ndims.stop - 1}-d"
+        else:
+            want = " or ".join(f"{n}-d" for n in ndims)
         raise ValueError(f"{name}: expected a {want} array, got {x.ndim}-d array of shape {x.shape}")
     if last is not None and x.shape[-1] != last:
         raise ValueError(f"{name}: expected last dim {last}, got shape {x.shape}")

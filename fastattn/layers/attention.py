@@ -159,6 +159,12 @@ class Attention(Layer):
         if not unbatched and key.shape[0] != query.shape[0]:
             raise ValueError(f"key: expected batch size {query.shape[0]} (query's), got shape {key.shape}")
         B = 1 if unbatched else query.shape[0]
+        if attn_mask is not None and np.ndim(attn_mask) > query.ndim:
+            # F.attention would broadcast the extra dims into the output's batch
+            want = (query.shape[-2], key.shape[-2]) if unbatched else (B, query.shape[-2], key.shape[-2])
+            raise ValueError(
+                f"attn_mask: expected at most {query.ndim} dims, a shape broadcastable to "
+                f"{'(Lq, Lk)' if unbatched else '(B, Lq, Lk)'} = {want}, got shape {np.shape(attn_mask)}")
         mask = combine_masks(attn_mask, key_mask, B, query.shape[-2], key.shape[-2], unbatched)
         q, k, v = self._proj(query, "Q"), self._proj(key, "K"), self._proj(value, "V")
         return F.attention(q, k, v, self.similarity, params=self._sim_params(), attn_mask=mask,
@@ -189,6 +195,7 @@ class SelfAttention(Attention):
 
     def forward(self, x, *, attn_mask=None, key_mask=None, return_weights=False, n_threads=None):
         """x (B, L, embed_dim) or (L, embed_dim)."""
+        x = as_float_input(x, "x", (2, 3), last=self._dims["query_dim"])  # errors name x, not query
         return super().forward(x, None, None, attn_mask=attn_mask, key_mask=key_mask,
                                is_causal=self.causal, return_weights=return_weights,
                                n_threads=n_threads)

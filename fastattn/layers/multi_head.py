@@ -180,7 +180,8 @@ class MultiHeadAttention:
 
         The names (after ``prefix``) and shapes must be exactly this layer's
         (:meth:`param_shapes`); values are copied and cast to the layer's
-        dtype.  Returns ``self``.
+        dtype; NaN or infinite values raise ValueError (nothing is changed on
+        error).  Returns ``self``.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
@@ -203,6 +204,8 @@ class MultiHeadAttention:
             a = _to_numpy(state_dict[prefix + name], f"state_dict[{prefix + name!r}]")
             if a.shape != shape:
                 raise ValueError(f"state_dict[{prefix + name!r}]: expected shape {shape}, got {a.shape}")
+            if not np.all(np.isfinite(a)):  # as every other layer's load_state_dict
+                raise ValueError(f"state_dict[{prefix + name!r}]: contains NaN or infinite values")
             new[name] = np.array(a, dtype=self.dtype, order="C", copy=True)
         self.params = new
         return self

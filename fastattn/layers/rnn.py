@@ -63,7 +63,10 @@ def _torch_state(obj):
         v = sd[k]
         if hasattr(v, "detach"):
             v = v.detach().cpu().numpy()
-        out[str(k)] = np.asarray(v)
+        try:
+            out[str(k)] = np.asarray(v)
+        except Exception as exc:  # ragged lists and the like
+            raise TypeError(f"state_dict[{str(k)!r}]: expected an array, got {type(v).__name__} ({exc})") from None
     return out, module
 
 
@@ -312,7 +315,8 @@ class _RNNBase(Layer):
             for d, sfx in enumerate(("", "_reverse")[:self.num_directions]):
                 wih, whh, bih, bhh = self._weights(k, sfx, ct)
                 idx = k * self.num_directions + d
-                xw = F.linear(inp.reshape(B * T, -1), wih, bih).reshape(B, T, -1)
+                # (explicit sizes: B * T may be 0, where -1 cannot be inferred)
+                xw = F.linear(inp.reshape(B * T, inp.shape[-1]), wih, bih).reshape(B, T, wih.shape[0])
                 o, h, c = F.rnn_scan(xw, whh, bhh, h0[idx], cell=cell,
                                      c0=None if c0 is None else c0[idx], lengths=lengths,
                                      reverse=bool(d))
@@ -366,6 +370,10 @@ class _RNNBase(Layer):
                 kwargs.setdefault("nonlinearity", module.nonlinearity)
         if "weight_ih_l0" not in sd or "weight_hh_l0" not in sd:
             raise ValueError(f"state_dict: expected 'weight_ih_l0' and 'weight_hh_l0', got keys {sorted(sd)}")
+        for name in ("weight_ih_l0", "weight_hh_l0"):
+            if sd[name].ndim != 2:
+                raise ValueError(f"state_dict[{name!r}]: expected a 2-d ({G} * hidden_size, features) "
+                                 f"weight, got shape {sd[name].shape}")
         GH, in_size = sd["weight_ih_l0"].shape
         if GH % G:
             raise ValueError(f"state_dict['weight_ih_l0']: expected {G} * hidden_size rows for {cls.__name__}, got {GH}")
