@@ -404,11 +404,12 @@ void fa_add_set_runtime(fa_add_pool_run_fn pool_run, fa_add_hold_enter_fn enter,
 
 int fa_add_runtime_shared(void) { return g_rt_pool_run != NULL; }
 
-static int add_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx)
+static int add_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
+                        fa_stop_fn stop, void *stop_ctx)
 {
     if (g_rt_pool_run)
-        return g_rt_pool_run(ntasks, nthreads, fn, ctx, NULL, NULL);
-    return fa_pool_run(ntasks, nthreads, fn, ctx, NULL, NULL);
+        return g_rt_pool_run(ntasks, nthreads, fn, ctx, stop, stop_ctx);
+    return fa_pool_run(ntasks, nthreads, fn, ctx, stop, stop_ctx);
 }
 
 static pthread_mutex_t g_add_blas_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -492,7 +493,7 @@ static void add_blas_atfork_child(void)
         proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da};                        \
         int64_t ntasks = (n + FA_PROJ_ROWS - 1) / FA_PROJ_ROWS;                          \
         fa_blas_set_threads_fn hook = add_blas_enter();                                  \
-        add_pool_run(ntasks, n_threads, proj_task_##SFX, &j);                            \
+        add_pool_run(ntasks, n_threads, proj_task_##SFX, &j, NULL, NULL);                \
         add_blas_exit(hook);                                                             \
         return FA_OK;                                                                    \
     }

@@ -48,6 +48,10 @@ typedef struct {
     const void *score_params;
     int check_scores;               /* reject NaN / +inf scores */
     int score_status;               /* out: the score function's nonzero code */
+    /* optional, as in fa_sdpa_args: asked on the calling thread between
+     * tasks and key tiles; nonzero stops the call with FA_EINTR */
+    int (*stop)(void *stop_ctx);
+    void *stop_ctx;
 } fa_tiled_args;
 
 int fa_tiled_attention_f32(fa_tiled_args *a);

@@ -60,6 +60,7 @@ typedef struct {
     REAL *scratch;
     int reverse;
     int status;       /* atomic: first failure */
+    fa_stop_poll poll;
 } FN(tjob);
 
 static int FN(score_tile)(FN(tjob) *j, const REAL *Q, const REAL *Kt, int64_t m, int64_t n,
@@ -78,7 +79,8 @@ static int FN(score_tile)(FN(tjob) *j, const REAL *Q, const REAL *Kt, int64_t m,
     return FA_OK;
 }
 
-static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch)
+/* Returns early with FA_EINTR (rows unfinished) when poll says stop. */
+static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch, int slot)
 {
     fa_tiled_args *a = j->a;
     const fa_rowops *ops = j->ops;
@@ -109,6 +111,8 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
             for (int64_t c = 0; c < a->Lk; c++)
                 W[r * a->ldw + c] = (REAL)(-INFINITY);
         for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+            if (fa_stop_poll_check(&j->poll, slot))
+                return FA_EINTR;
             int64_t n = kend - j0 < bk ? kend - j0 : bk;
             if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
                 continue;
@@ -141,6 +145,8 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
         Ls[r] = (REAL)0;
     }
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        if (fa_stop_poll_check(&j->poll, slot))
+            return FA_EINTR;
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
         if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
             continue;
@@ -192,7 +198,7 @@ static void FN(run)(void *ctx, int64_t t, int slot)
         qb = j->nqb - 1 - qb;
     int64_t i0 = qb * a->block_q;
     int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
-    int rc = FN(task)(j, b, i0, m, j->scratch + (size_t)slot * j->slot_elems);
+    int rc = FN(task)(j, b, i0, m, j->scratch + (size_t)slot * j->slot_elems, slot);
     if (rc) {
         int expected = 0;
         __atomic_compare_exchange_n(&j->status, &expected, rc, 0, __ATOMIC_RELAXED,
@@ -215,6 +221,7 @@ int FN(fa_tiled_attention)(fa_tiled_args *a)
     j.nqb = (a->Lq + a->block_q - 1) / a->block_q;
     j.reverse = a->causal;
     j.status = FA_OK;
+    fa_stop_poll_init(&j.poll, a->stop, a->stop_ctx);
     int64_t ntasks = nbatch * j.nqb;
     if (ntasks == 0)
         return FA_OK;
@@ -228,7 +235,9 @@ int FN(fa_tiled_attention)(fa_tiled_args *a)
     j.scratch = (REAL *)fa_arena(elems * sizeof(REAL) * (size_t)nt);
     if (!j.scratch)
         return FA_ENOMEM;
-    add_pool_run(ntasks, nt, FN(run), &j);
+    int stopped = add_pool_run(ntasks, nt, FN(run), &j, a->stop ? fa_stop_poll_fn : NULL, &j.poll);
+    if (stopped || fa_stop_poll_stopped(&j.poll))
+        return FA_EINTR;
     return j.status;
 }
 

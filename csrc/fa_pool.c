@@ -14,7 +14,6 @@
  * spins on its helpers before it sleeps (nanoseconds). */
 #define FA_WORKER_SPIN_NS 50000
 #define FA_CALLER_SPIN_NS 200000
-#define FA_STOP_EVERY_NS 20000000
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -49,12 +48,7 @@ static struct {
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
        NULL, 0, 0, 0, 0};
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
+#define now_ns fa_now_ns
 
 /* Take tasks until none is left or the job is cancelled.  With stop (the
  * calling thread only) ask it every FA_STOP_EVERY_NS whether to cancel. */
@@ -212,9 +206,15 @@ int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
 
 /* ----------------------------------------------------------- scratch arena */
 
+/* FA_ARENA_LEVELS buffers per thread: level `depth` serves fa_arena, and
+ * fa_arena_nest moves between levels (a call nested in a stop callback on
+ * the same thread must not reallocate the buffer its outer call is using). */
+#define FA_ARENA_LEVELS 4
+
 typedef struct {
-    void *p;
-    size_t size;
+    void *p[FA_ARENA_LEVELS];
+    size_t size[FA_ARENA_LEVELS];
+    int depth;
 } fa_arena_t;
 
 static pthread_key_t g_arena_key;
@@ -224,17 +224,16 @@ static void arena_free(void *x)
 {
     fa_arena_t *a = (fa_arena_t *)x;
     if (a) {
-        free(a->p);
+        for (int i = 0; i < FA_ARENA_LEVELS; i++)
+            free(a->p[i]);
         free(a);
     }
 }
 
 static void arena_init(void) { pthread_key_create(&g_arena_key, arena_free); }
 
-void *fa_arena(size_t need)
+static fa_arena_t *arena_get(void)
 {
-    if (need == 0)
-        return NULL;
     pthread_once(&g_arena_once, arena_init);
     fa_arena_t *a = (fa_arena_t *)pthread_getspecific(g_arena_key);
     if (!a) {
@@ -246,14 +245,32 @@ void *fa_arena(size_t need)
             return NULL;
         }
     }
-    if (a->size < need) {
+    return a;
+}
+
+void fa_arena_nest(int delta)
+{
+    fa_arena_t *a = arena_get();
+    if (a)
+        a->depth += delta;
+}
+
+void *fa_arena(size_t need)
+{
+    if (need == 0)
+        return NULL;
+    fa_arena_t *a = arena_get();
+    if (!a || a->depth < 0 || a->depth >= FA_ARENA_LEVELS)
+        return NULL;
+    int l = a->depth;
+    if (a->size[l] < need) {
         size_t grow = need + need / 4;
         void *p = NULL;
         if (posix_memalign(&p, 64, grow) != 0)
             return NULL;
-        free(a->p);
-        a->p = p;
-        a->size = grow;
+        free(a->p[l]);
+        a->p[l] = p;
+        a->size[l] = grow;
     }
-    return a->p;
+    return a->p[l];
 }

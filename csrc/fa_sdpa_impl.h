@@ -103,9 +103,11 @@ static inline int64_t FN(lim_elems)(const fa_sdpa_args *a)
     return bytes / (int64_t)sizeof(REAL);
 }
 
-/* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path. */
+/* One task: batch item b, query rows [i0, i0+m).  scratch is large enough for the path.
+ * The streaming path asks poll once per key tile and returns early (rows
+ * unfinished) when the call is being stopped. */
 static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int64_t i0,
-                     int64_t m, REAL *scratch)
+                     int64_t m, REAL *scratch, fa_stop_poll *poll, int slot)
 {
     const REAL *Q = (const REAL *)a->q + FN(batch_off)(a, a->q_bs, b) + i0 * a->ldq;
     const REAL *K = (const REAL *)a->k + FN(batch_off)(a, a->k_bs, b);
@@ -184,6 +186,8 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
     }
     int started = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+        if (fa_stop_poll_check(poll, slot))
+            return;
         int64_t n = kend - j0 < bk ? kend - j0 : bk;
         if (mb && fa_tile_masked_out(mb, a->ldm, i0, m, j0, n))
             continue;
@@ -276,13 +280,15 @@ typedef struct {
     size_t need;
     int reverse;
     int status;            /* atomic: FA_ENOMEM when a thread could not get scratch */
+    fa_stop_poll poll;     /* a->stop, asked between tasks and key tiles */
 } FN(job);
 
 static void FN(run_task)(void *ctx, int64_t t, int slot)
 {
-    (void)slot;
     FN(job) *j = (FN(job) *)ctx;
     const fa_sdpa_args *a = j->a;
+    if (fa_stop_poll_stopped(&j->poll))
+        return;
     REAL *scratch = (REAL *)fa_arena(j->need);
     if (j->need && !scratch) {
         __atomic_store_n(&j->status, FA_ENOMEM, __ATOMIC_RELAXED);
@@ -293,7 +299,7 @@ static void FN(run_task)(void *ctx, int64_t t, int slot)
         qb = j->nqb - 1 - qb;
     int64_t i0 = qb * a->block_q;
     int64_t m = a->Lq - i0 < a->block_q ? a->Lq - i0 : a->block_q;
-    FN(task)(a, j->ops, b, i0, m, scratch);
+    FN(task)(a, j->ops, b, i0, m, scratch, &j->poll, slot);
 }
 
 int FN(fa_sdpa)(const fa_sdpa_args *a)
@@ -312,6 +318,7 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
     /* with causality, later query blocks carry more work: hand them out first */
     j.reverse = a->causal;
     j.status = FA_OK;
+    fa_stop_poll_init(&j.poll, a->stop, a->stop_ctx);
     const int64_t ntasks = nbatch * j.nqb;
     if (ntasks == 0)
         return FA_OK;
@@ -321,9 +328,10 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
     /* BLAS is held at one thread whenever it runs: our threads (or the app's,
      * calling concurrently) each call it on their own tiles */
     fa_blas_set_threads_fn hook = FN(use_direct)(a) ? NULL : fa_blas_threads_enter();
-    int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop, a->stop_ctx);
+    int stopped = fa_pool_run(ntasks, nt, FN(run_task), &j, a->stop ? fa_stop_poll_fn : NULL,
+                              &j.poll);
     fa_blas_threads_exit(hook);
-    if (stopped)
+    if (stopped || fa_stop_poll_stopped(&j.poll))
         return FA_EINTR;
     return j.status;
 }

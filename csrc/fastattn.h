@@ -92,8 +92,10 @@ typedef struct {
     int path;                  /* FA_PATH_SINGLE or FA_PATH_STREAM (forced SINGLE with weights) */
     int direct;                /* single pass only: register-blocked products instead of BLAS */
     int n_threads;             /* >= 1; 1 runs on the calling thread alone */
-    /* optional: asked between tasks (about every 20 ms) on the calling
-     * thread; nonzero stops the call with FA_EINTR */
+    /* optional: asked on the calling thread between tasks and key tiles
+     * (about every 10-20 ms); nonzero stops the call with FA_EINTR, leaving
+     * out and weights partly written.  It may run code that starts another
+     * fastattn call on the same thread (nested calls are safe). */
     int (*stop)(void *stop_ctx);
     void *stop_ctx;
 } fa_sdpa_args;

@@ -205,9 +205,10 @@ class PreparedAttention:
             if len(self._calls) >= self._MAX_SIGNATURES:
                 self._calls.clear()
             self._calls[sig] = t
-            r = _execute(t)
-            t.q = t.lowered = None  # the copies get their own; do not keep this query alive
-            return r
+            try:
+                return _execute(t)
+            finally:  # also when interrupted: the copies get their own query
+                t.q = t.lowered = None
         p = t.p
         if t.kcache:  # the fused additive kernel with the keys projected and padded
             wq, b, kx, packed, bq, nt_k = t.kcache

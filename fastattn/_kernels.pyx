@@ -3,13 +3,23 @@
 
 Canonical buffers in, preallocated outputs, GIL released, no user-facing
 checks: ``fastattn.functional`` validates every argument before it calls here.
+
+KeyboardInterrupt: a call from the main thread hands the kernel a stop
+callback (fastattn/_interrupt.pxd) that runs Python's signal handlers about
+every 10-20 ms; when one raises, the kernel stops early and the binding
+re-raises that exception (the output buffers are then partly written).
 """
+import os
+import threading
+
 cimport numpy as cnp
 from libc.math cimport sqrt
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
+from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+                                  thread_ident)
 
 cnp.import_array()
 
@@ -74,6 +84,18 @@ PATH_STREAM = FA_PATH_STREAM
 MAX_BATCH_DIMS = FA_MAX_BATCH_DIMS
 
 fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+# Python runs signal handlers on its main thread only: calls from there get
+# the stop callback.  After fork() the forking thread is the child's main thread.
+cdef unsigned long _main_ident = threading.main_thread().ident
+
+
+def _after_fork_in_child():
+    global _main_ident
+    _main_ident = thread_ident()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_blas_threads_hook(uintptr_t address):
@@ -177,14 +199,20 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.path = path
     a.direct = direct
     a.n_threads = n_threads
+    cdef interrupt_state intr
+    intr.fired = 0
     a.stop = NULL
     a.stop_ctx = NULL
+    if on_thread(_main_ident):
+        a.stop = interrupt_stop
+        a.stop_ctx = &intr
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
         with nogil:
             rc = fa_sdpa_f32(&a)
     else:
         with nogil:
             rc = fa_sdpa_f64(&a)
+    interrupt_raise(&intr)
     return rc
 
 
@@ -339,6 +367,10 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
         s.simd = simd
         s.block_q, s.block_k, s.path, s.direct, s.nt = plan
         s.used = 1
+    # the plan read now: allocating the output may run Python code (a
+    # collection) that lets another thread replace this slot
+    cdef int64_t p_bq = s.block_q, p_bk = s.block_k
+    cdef int p_path = s.path, p_direct = s.direct, p_nt = s.nt
 
     cdef cnp.npy_intp odims[34]
     for i in range(nd - 1):
@@ -391,13 +423,18 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     a.scale = sc
     a.out = cnp.PyArray_DATA(out)
     a.weights = NULL
-    a.block_q = s.block_q
-    a.block_k = s.block_k
-    a.path = s.path
-    a.direct = s.direct
-    a.n_threads = s.nt
+    a.block_q = p_bq
+    a.block_k = p_bk
+    a.path = p_path
+    a.direct = p_direct
+    a.n_threads = p_nt
+    cdef interrupt_state intr
+    intr.fired = 0
     a.stop = NULL
     a.stop_ctx = NULL
+    if on_thread(_main_ident):
+        a.stop = interrupt_stop
+        a.stop_ctx = &intr
     cdef int rc
     if typenum == cnp.NPY_FLOAT32:
         with nogil:
@@ -405,6 +442,7 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     else:
         with nogil:
             rc = fa_sdpa_f64(&a)
+    interrupt_raise(&intr)
     if rc != FA_OK:
         return rc
     return out

@@ -26,13 +26,35 @@ projections itself was measured to be worse: its workers keep spinning for
 ~0.1 s after a call and slowed the attention kernel that runs next by up to 2x
 on two cores.  Without the runtime (``set_runtime`` not called) a call is one
 gemm with OpenBLAS's own threading.
+
+KeyboardInterrupt: a call from the main thread is run through the pool (one
+thread or more) with a stop callback (fastattn/_interrupt.pxd) asked between
+blocks; no block exceeds MAX_BLOCK_FLOPS, so a large product answers within
+a few tens of milliseconds.
 """
+import os
+import threading
+
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
+from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+                                  thread_ident)
+
 cnp.import_array()
+
+# signal handlers run on the main thread only (as in fastattn._kernels)
+cdef unsigned long _main_ident = threading.main_thread().ident
+
+
+def _after_fork_in_child():
+    global _main_ident
+    _main_ident = thread_ident()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
@@ -84,6 +106,12 @@ cdef int g_small_m = 128
 # row x (1000, 256) float32, 1 MB: 20 us on one thread, see _linear.py).
 DEF PARALLEL_MIN_FLOPS = 2000000.0
 DEF PARALLEL_MIN_WEIGHTS = 131072
+# No block larger than this (measured on one core: 19 ms float32, 35 ms
+# float64): the stop callback is
+# asked between blocks.  Blocks are halved (rows first, down to 2 *
+# min_block_rows, then columns down to 2 * min_block_cols) on every thread
+# count, so a product's blocking does not depend on where it is called from.
+DEF MAX_BLOCK_FLOPS = 1000000000.0
 
 
 def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None):
@@ -210,7 +238,8 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     least a row long (a single row may have any stride), batch strides
     anything; y does not overlap x, w or b; nb * M, N, K and the strides
     within the BLAS 32-bit range.  Returns the number of blocks (0 when
-    nothing was multiplied).
+    nothing was multiplied).  From the main thread, KeyboardInterrupt stops
+    the call between blocks and is raised here (``y`` is then partly written).
 
     Empty sizes: nothing to write when nb, M or N is 0; when K is 0 the product
     is a sum of no terms, so ``y`` is set to ``b`` (zeros without a bias)
@@ -281,11 +310,25 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
             c.cb = (c.N + c.nbc - 1) // c.nbc
             c.cb = (c.cb + 15) // 16 * 16
             c.nbc = (c.N + c.cb - 1) // c.cb
+    while 2.0 * c.mb * c.cb * c.K > MAX_BLOCK_FLOPS:
+        if c.mb > 2 * g_min_block_rows:
+            c.mb = ((c.mb + 1) // 2 + 7) // 8 * 8
+        elif c.cb > 2 * g_min_block_cols:
+            c.cb = ((c.cb + 1) // 2 + 15) // 16 * 16
+        else:
+            break
+    c.nbm = (c.M + c.mb - 1) // c.mb
+    c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
     c.small = (c.f32 and c.mb <= g_small_m and g_simd_active != NULL and g_simd_active() != 0
                and fa_proj_small_available() != 0)
     c.status = 0
     cdef int64_t t
+    cdef interrupt_state intr
+    cdef stop_fn stop = NULL
+    intr.fired = 0
+    if on_thread(_main_ident):
+        stop = interrupt_stop
     if g_pool_run == NULL:
         with nogil:
             for t in range(ntasks):
@@ -293,12 +336,13 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     else:
         with nogil:
             hook = g_hold_enter()
-            if nt > 1 and ntasks > 1:
-                g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, NULL, NULL)
+            if ntasks > 1 and (nt > 1 or stop != NULL):
+                g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, stop, &intr)
             else:
                 for t in range(ntasks):
                     _task(&c, t, 0)
             g_hold_exit(hook)
+    interrupt_raise(&intr)
     if c.status != 0:
         raise RuntimeError(f"fastattn._proj: the few-row kernel rejected its arguments "
                            f"(status {c.status}; M={c.M}, N={c.N}, K={c.K})")

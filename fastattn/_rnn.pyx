@@ -12,9 +12,22 @@ synchronisation between steps.  BLAS (the float64 and large-block float32
 products) is held at one thread meanwhile through the attention kernel's
 save/restore counter.  The pool, that counter and the SIMD switch are handed
 over once by address (:func:`set_runtime`), as for ``fastattn._proj``.
+
+KeyboardInterrupt: from the main thread, a long scan runs its time steps in
+chunks of about ``chunk_flops`` (see :func:`set_tuning`), one pool call per
+chunk, and asks the stop callback (fastattn/_interrupt.pxd) between chunks;
+chunking changes no arithmetic (each row still goes through the same steps
+in order), only where the threads meet.
 """
+import os
+import threading
+
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
+from libc.string cimport memcpy
+
+from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+                                  thread_ident)
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 cnp.import_array()
@@ -99,6 +112,17 @@ ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
 ctypedef int (*simd_active_fn)() noexcept nogil
 
 cdef pool_run_fn g_pool_run = NULL
+
+# signal handlers run on the main thread only (as in fastattn._kernels)
+cdef unsigned long _main_ident = threading.main_thread().ident
+
+
+def _after_fork_in_child():
+    global _main_ident
+    _main_ident = thread_ident()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 cdef hold_enter_fn g_hold_enter = NULL
 cdef hold_exit_fn g_hold_exit = NULL
 cdef simd_active_fn g_simd_active = NULL
@@ -125,6 +149,9 @@ DEF PARALLEL_MIN_FLOPS = 200000.0
 # blocks a thread; below CELL_PARALLEL_MIN_FLOPS a step stays on the calling thread.
 cdef int g_cell_min_units = 32
 DEF CELL_PARALLEL_MIN_FLOPS = 400000.0
+# Main-thread scans: steps per chunk such that a chunk is about this many
+# flops of h W_hh^T (~5-10 ms), at least one step.
+cdef double g_chunk_flops = 1e8
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
@@ -151,11 +178,14 @@ def simd_active():
     return g_simd_active != NULL and g_simd_active() != 0
 
 
-def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None):
-    """Change the blocking parameters (for tuning sweeps); returns the previous ones."""
-    global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split
+def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None,
+               chunk_flops=None):
+    """Change the blocking parameters (for tuning sweeps and tests); returns the previous ones."""
+    global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split, g_chunk_flops
     prev = dict(min_block_rows=g_min_block_rows, blocks_per_thread=g_blocks_per_thread,
-                small_m=g_small_m, split=bool(g_split))
+                small_m=g_small_m, split=bool(g_split), chunk_flops=g_chunk_flops)
+    if chunk_flops is not None:
+        g_chunk_flops = max(0.0, float(chunk_flops))
     if split is not None:
         g_split = 1 if split else 0
     if min_block_rows is not None:
@@ -204,6 +234,24 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
         fa_rnn_store_status(&c.status, rc)
 
 
+cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, int64_t item,
+                             int64_t t0, int64_t tc, const int64_t *lens_all,
+                             int64_t *lens_c) noexcept nogil:
+    """Point s.a at steps [t0, t0 + tc): inputs and outputs from step t0 on, the
+    lengths counted from t0 (a row is live at local step u when t0 + u < its
+    length, in either direction)."""
+    cdef int64_t r, l
+    s.a.T = tc
+    s.a.xw = xw_base + t0 * s.a.xw_ts * item
+    if out_base != NULL:
+        s.a.out = out_base + t0 * s.a.out_ts * item
+    if lens_all != NULL:
+        for r in range(s.a.B):
+            l = lens_all[r] - t0
+            lens_c[r] = 0 if l < 0 else (tc if l > tc else l)
+        s.a.lengths = lens_c
+
+
 def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, object c,
          object out, object lengths, bint reverse, int n_threads):
     """Run one layer and direction over all time steps.
@@ -216,6 +264,8 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     contiguous with values in [0, T], or None.  One float dtype throughout;
     B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks,
     or minus the number of threads when the units were split instead.
+    From the main thread, KeyboardInterrupt stops the scan between chunks of
+    steps and is raised here (h, c and out are then partly updated).
     """
     cdef scan_ctx s
     cdef int64_t item = cnp.PyArray_ITEMSIZE(xw)
@@ -262,6 +312,28 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     s.gh = <int64_t>G * H
     s.status = 0
     cdef cnp.ndarray claimed, done, hbuf
+    # main thread: the steps in chunks, the stop callback asked between them
+    cdef interrupt_state intr
+    intr.fired = 0
+    cdef bint interruptible = on_thread(_main_ident)
+    cdef int64_t chunk = T
+    cdef double step_flops = 2.0 * B * s.gh * H
+    if interruptible and step_flops * T > g_chunk_flops:
+        chunk = <int64_t>(g_chunk_flops / step_flops)
+        if chunk < 1:
+            chunk = 1
+    cdef cnp.ndarray lens_chunk = None
+    cdef const int64_t *lens_all = s.a.lengths
+    cdef int64_t *lens_c = NULL
+    if chunk < T and lens_all != NULL:
+        lens_chunk = cnp.PyArray_EMPTY(1, [B], cnp.NPY_INT64, 0)
+        lens_c = <int64_t *>cnp.PyArray_DATA(lens_chunk)
+    cdef const char *xw_base = <const char *>s.a.xw
+    cdef char *out_base = <char *>s.a.out
+    cdef int64_t t0, tc, k, hb_bytes = B * H * item
+    cdef unsigned char *claimed_base
+    cdef int *done_base
+    cdef char *hb
     s.split = 0
     if (g_split and g_pool_run != NULL and nt > 1 and T > 1 and B < <int64_t>nt * g_min_block_rows
             and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
@@ -274,20 +346,39 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
         done = cnp.PyArray_ZEROS(1, [T], cnp.NPY_INT32, 0)
         hbuf = cnp.PyArray_EMPTY(2, [2, B * H], cnp.PyArray_TYPE(xw), 0)
         hbuf[1] = h.reshape(-1)
-        s.sp.claimed = <unsigned char *>cnp.PyArray_DATA(claimed)
-        s.sp.done = <int *>cnp.PyArray_DATA(done)
-        s.sp.hbuf = cnp.PyArray_DATA(hbuf)
+        claimed_base = <unsigned char *>cnp.PyArray_DATA(claimed)
+        done_base = <int *>cnp.PyArray_DATA(done)
+        hb = <char *>cnp.PyArray_DATA(hbuf)
+        s.sp.hbuf = hb
         s.per = 2 * B * G * s.sp.units
         scratch = cnp.PyArray_EMPTY(1, [nt * s.per], cnp.PyArray_TYPE(xw), 0)
         s.scratch = <char *>cnp.PyArray_DATA(scratch)
         with nogil:
             hook = g_hold_enter()
-            g_pool_run(nt, nt, _task, &s, NULL, NULL)
+            # chunk k: steps [t0, t1); every chunk starts from hbuf[1] and has
+            # fresh claimed / done entries (those of its own steps)
+            k = 0
+            while k < T:
+                tc = chunk if chunk < T - k else T - k
+                t0 = k if not reverse else T - k - tc
+                if tc < T:
+                    _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
+                s.sp.claimed = claimed_base + k * s.sp.nb
+                s.sp.done = done_base + k
+                g_pool_run(nt, nt, _task, &s, NULL, NULL)
+                if (tc - 1) % 2 == 0:  # the chunk's last state is in hbuf[0]
+                    memcpy(hb + hb_bytes, hb, <size_t>hb_bytes)
+                k += tc
+                if s.status != 0:
+                    break
+                if k < T and interruptible and interrupt_stop(&intr):
+                    break
             g_hold_exit(hook)
+        interrupt_raise(&intr)
         if s.status != 0:
             raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
                                f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")
-        h[...] = hbuf[(T - 1) % 2].reshape(B, H)
+        h[...] = hbuf[1].reshape(B, H)
         return -nt
     # row blocks
     if g_pool_run == NULL or nt <= 1 or B < 2 or 2.0 * B * s.gh * H < PARALLEL_MIN_FLOPS * 2:
@@ -307,12 +398,24 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     with nogil:
         if g_hold_enter != NULL:
             hook = g_hold_enter()
-        if nblocks > 1:
-            g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _task, &s, NULL, NULL)
-        else:
-            _task(&s, 0, 0)
+        k = 0
+        while k < T:
+            tc = chunk if chunk < T - k else T - k
+            t0 = k if not reverse else T - k - tc
+            if tc < T:
+                _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
+            if nblocks > 1:
+                g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _task, &s, NULL, NULL)
+            else:
+                _task(&s, 0, 0)
+            k += tc
+            if s.status != 0:
+                break
+            if k < T and interruptible and interrupt_stop(&intr):
+                break
         if g_hold_enter != NULL:
             g_hold_exit(hook)
+    interrupt_raise(&intr)
     if s.status != 0:
         raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
                            f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")

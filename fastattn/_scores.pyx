@@ -3,13 +3,20 @@
 
 Canonical buffers in, preallocated outputs, GIL released, no user-facing
 checks: ``fastattn._attention`` validates every argument before it calls here.
+A call from the main thread can be stopped by KeyboardInterrupt (see
+fastattn/_interrupt.pxd and fastattn._kernels).
 """
+import os
+import threading
+
 cimport numpy as cnp
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport dgemm, sgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
+from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+                                  thread_ident)
 
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
                               fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
@@ -46,6 +53,8 @@ cdef extern from "fa_additive.h" nogil:
         const void *score_params
         int check_scores
         int score_status
+        int (*stop)(void *)
+        void *stop_ctx
     ctypedef void (*fa_sgemm_fn)(char*, char*, int*, int*, int*, float*, float*, int*,
                                  float*, int*, float*, float*, int*)
     ctypedef void (*fa_dgemm_fn)(char*, char*, int*, int*, int*, double*, double*, int*,
@@ -88,6 +97,17 @@ PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
 
 
 fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
+
+# signal handlers run on the main thread only (as in fastattn._kernels)
+cdef unsigned long _main_ident = threading.main_thread().ident
+
+
+def _after_fork_in_child():
+    global _main_ident
+    _main_ident = thread_ident()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit):
@@ -239,6 +259,13 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
     a.score_status = 0
     a.score_f32 = NULL
     a.score_f64 = NULL
+    cdef interrupt_state intr
+    intr.fired = 0
+    a.stop = NULL
+    a.stop_ctx = NULL
+    if on_thread(_main_ident):
+        a.stop = interrupt_stop
+        a.stop_ctx = &intr
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
         a.score_f32 = fa_additive_score_f32 if score_kind == SCORE_ADDITIVE else <fastattn_score_f32>score_fn
         with nogil:
@@ -247,6 +274,7 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
         a.score_f64 = fa_additive_score_f64 if score_kind == SCORE_ADDITIVE else <fastattn_score_f64>score_fn
         with nogil:
             rc = fa_tiled_attention_f64(&a)
+    interrupt_raise(&intr)
     return rc, a.score_status
 
 

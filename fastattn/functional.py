@@ -230,7 +230,9 @@ def scaled_dot_product_attention(
     out : ndarray, optional
         Written with the result and returned; must have the result's shape
         and dtype.  It may overlap the inputs (the result then goes through
-        a temporary).
+        a temporary).  When the call is interrupted (KeyboardInterrupt, or
+        whatever a signal handler raises; checked about every 20 ms on the
+        main thread) its contents are unspecified.
     n_threads : int, optional
         Threads for this call (see :func:`fastattn.get_num_threads`).
 

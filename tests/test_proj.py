@@ -78,13 +78,16 @@ def test_small_kernel_edges(simd_mode, M, K, rng):
 
 
 def test_block_split():
-    """Few rows: columns are split; many rows: rows are; tiny: one block."""
+    """Few rows: columns are split; many rows: rows are; tiny: one block; no
+    block above _proj's MAX_BLOCK_FLOPS (1e9: KeyboardInterrupt is checked
+    between blocks)."""
     _threads.ensure_blas_hook()
     z = np.zeros
     w = z((1536, 512), np.float32)
     assert _linear(z((1, 16, 512), np.float32), w, None, 2)[1] == 4      # 4 column blocks of 384
     assert _linear(z((1, 1024, 512), np.float32), w, None, 2)[1] == 4    # 4 row blocks of 256
-    assert _linear(z((1, 1024, 512), np.float32), w, None, 1)[1] == 1
+    assert _linear(z((1, 1024, 512), np.float32), w, None, 1)[1] == 2    # 2 x 0.8 GFlop
+    assert _linear(z((1, 256, 512), np.float32), w, None, 1)[1] == 1
     assert _linear(z((1, 4, 8), np.float32), z((8, 8), np.float32), None, 2)[1] == 1
 
 
