@@ -488,6 +488,10 @@ static void add_blas_atfork_child(void)
     {                                                                                    \
         if (!GEMM || d < 1 || da < 1 || n_threads < 1)                                   \
             return FA_EINVAL;                                                            \
+        /* the gemm's sizes are ints (rows: blocks of FA_PROJ_ROWS) */                   \
+        if (!fa_blas_fits(d) || !fa_blas_fits(da) || !fa_blas_fits(ldx)                  \
+            || !fa_blas_fits(ldw) || !fa_blas_fits(ldy))                                 \
+            return FA_EINVAL;                                                            \
         if (n <= 0)                                                                      \
             return FA_OK;                                                                \
         proj_job_##SFX j = {X, W, b, Y, ldx, ldw, ldy, n, d, da};                        \

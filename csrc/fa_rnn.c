@@ -262,6 +262,10 @@ static int check_args(const fa_rnn_args *a, int64_t b0, int64_t b1)
         b1 > a->B || b0 >= b1 || !a->xw || !a->whh || !a->h || a->ldw < a->H ||
         (a->cell == FA_RNN_LSTM && !a->c))
         return FA_RNN_EINVAL;
+    /* the gemm's sizes and leading dimensions are ints: G*H, rows, H, ldw */
+    if (!fa_blas_fits((int64_t)fa_rnn_gates(a->cell) * a->H) || !fa_blas_fits(a->B) ||
+        !fa_blas_fits(a->ldw))
+        return FA_RNN_EINVAL;
     return 0;
 }
 
@@ -360,6 +364,11 @@ static int check_cell(const fa_cell_args *a, int64_t u0, int64_t u1)
         u1 > a->H || u0 >= u1 || !a->x || !a->wih || !a->whh || !a->h0 || !a->h1 ||
         a->ldx < a->nin || a->ldwi < a->nin || a->ldwh < a->H ||
         (a->cell == FA_RNN_LSTM && (!a->c0 || !a->c1)))
+        return FA_RNN_EINVAL;
+    /* the gemms' sizes and leading dimensions are ints (G * units <= G*H) */
+    if (!fa_blas_fits((int64_t)fa_rnn_gates(a->cell) * a->H) || !fa_blas_fits(a->B) ||
+        !fa_blas_fits(a->nin) || !fa_blas_fits(a->ldx) || !fa_blas_fits(a->ldwi) ||
+        !fa_blas_fits(a->ldwh))
         return FA_RNN_EINVAL;
     return 0;
 }

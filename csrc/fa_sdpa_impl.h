@@ -7,7 +7,9 @@
 #define FN(name) CAT(name, SFX)
 
 /* Row-major C (M x N, ldc) = alpha * op(A) . op(B) + beta * C through a
- * column-major BLAS: compute C^T = op(B)^T . op(A)^T. */
+ * column-major BLAS: compute C^T = op(B)^T . op(A)^T.  The int casts are
+ * safe: fa_sdpa refuses BLAS calls with sizes beyond FA_BLAS_INT_MAX
+ * (FN(blas_sizes_ok)). */
 static void FN(rm_gemm)(char ta, char tb, int64_t M, int64_t N, int64_t K, REAL alpha,
                         const REAL *A, int64_t lda, const REAL *B, int64_t ldb,
                         REAL beta, REAL *C, int64_t ldc)
@@ -255,6 +257,17 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         FN(finish_row)(O + r * a->ldo, dv, Ls[r], 1);
 }
 
+/* 1 when every size and leading dimension the BLAS calls of this call can see
+ * fits BLAS's int: M <= block_q, N and K <= Lk, d, dv (or block_k), and the
+ * row strides of q, k, v, out, weights and the scratch (<= Lk or block_k). */
+static int FN(blas_sizes_ok)(const fa_sdpa_args *a)
+{
+    return fa_blas_fits(a->block_q) && fa_blas_fits(a->Lk) && fa_blas_fits(a->d)
+           && fa_blas_fits(a->dv) && (a->path != FA_PATH_STREAM || fa_blas_fits(a->block_k))
+           && fa_blas_fits(a->ldq) && fa_blas_fits(a->ldk) && fa_blas_fits(a->ldv)
+           && fa_blas_fits(a->ldo) && (!a->weights || fa_blas_fits(a->ldw));
+}
+
 /* Scratch elements one task needs. */
 static int64_t FN(scratch_elems)(const fa_sdpa_args *a)
 {
@@ -307,6 +320,8 @@ int FN(fa_sdpa)(const fa_sdpa_args *a)
     if ((a->path != FA_PATH_SINGLE && a->path != FA_PATH_STREAM)
         || (!GEMM && !FN(use_direct)(a)) || a->block_q < 1 || a->n_threads < 1 || (a->path == FA_PATH_STREAM && a->block_k < 1))
         return FA_EINVAL;
+    if (!FN(use_direct)(a) && !FN(blas_sizes_ok)(a))
+        return FA_EINVAL;   /* BLAS takes 32-bit ints: never truncate a size */
     int64_t nbatch = 1;
     for (int i = 0; i < a->nbatch; i++)
         nbatch *= a->batch_shape[i];

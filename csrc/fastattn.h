@@ -25,6 +25,13 @@ extern "C" {
 #define FA_MAX_BATCH_DIMS 32
 
 /* Fortran-ABI BLAS gemm, as exported by scipy.linalg.cython_blas (blas_int = int). */
+/* Every size and leading dimension handed to it must fit in that int: the
+ * kernels check this (FA_EINVAL otherwise) rather than truncate; the Python
+ * side refuses such arguments first, with a message (fastattn/_validation.py,
+ * BLAS_INT_MAX). */
+#define FA_BLAS_INT_MAX 2147483647
+static inline int fa_blas_fits(int64_t n) { return n >= 0 && n <= FA_BLAS_INT_MAX; }
+
 typedef void (*fa_sgemm_fn)(char *transa, char *transb, int *m, int *n, int *k,
                             float *alpha, float *a, int *lda, float *b, int *ldb,
                             float *beta, float *c, int *ldc);

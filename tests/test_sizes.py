@@ -1,0 +1,132 @@
+"""Sizes and offsets beyond 2**31 (issue 7, "Hardening", item 3).
+
+The C kernels index with int64_t throughout; BLAS (scipy.linalg.cython_blas)
+takes 32-bit ints, so every size or leading dimension it would be handed
+beyond 2**31 - 1 is refused -- in Python with a ValueError naming the BLAS
+range before anything of that size is allocated, and again in C (FA_EINVAL)
+so that nothing is ever truncated.
+
+How the tests get there without the memory:
+
+* far apart: arrays whose batch (or row) strides are more than 2**31
+  elements, views into a sparse file (``np.memmap`` of a file that is only
+  holes: the pages the test writes are the only ones that exist), so every
+  element offset the kernels compute for the second batch item is beyond
+  int32;
+* zero strides: ``np.broadcast_to`` / ``as_strided`` views that present more
+  than 2**31 elements over a few bytes, refused or (a broadcast batch)
+  computed;
+* real size (``@pytest.mark.slow``, deselected by default; run with
+  ``pytest -m slow tests/test_sizes.py``): a boolean mask of more than 2**31
+  real elements.
+"""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import as_strided
+
+import fastattn
+from fastattn import _kernels, _reference as R
+from fastattn._validation import BLAS_INT_MAX
+
+from conftest import assert_close, oracle, run_child
+
+#: an element distance no int32 offset can express
+FAR = 2**31 + 64
+
+
+@pytest.fixture
+def sparse(tmp_path):
+    """make(n, dtype): a zero-filled array of n elements over a sparse file
+    (no memory and no disk until written); the files are removed afterwards."""
+    made = []
+
+    def make(n, dtype=np.float64):
+        path = tmp_path / f"sparse{len(made)}.bin"
+        mm = np.memmap(path, dtype=dtype, mode="w+", shape=(n,))
+        made.append(path)
+        return mm
+
+    yield make
+    for path in made:
+        os.unlink(path)
+
+
+def far_stack(make, items, dtype=np.float64):
+    """A (len(items), *shape) array equal to np.stack(items) whose items lie FAR
+    elements apart (C-ordered within an item), in a sparse file."""
+    dtype = np.dtype(dtype)
+    shape = items[0].shape
+    n = int(np.prod(shape))
+    buf = make(FAR * (len(items) - 1) + n, dtype)
+    inner = tuple(int(np.prod(shape[i + 1:])) * dtype.itemsize for i in range(len(shape)))
+    view = as_strided(buf, shape=(len(items),) + shape, strides=(FAR * dtype.itemsize,) + inner)
+    for i, it in enumerate(items):
+        view[i] = it
+    return view
+
+
+def far_rows(make, a):
+    """A 2-d array equal to a whose rows lie FAR elements apart."""
+    buf = make(FAR * (a.shape[0] - 1) + a.shape[1], a.dtype)
+    view = as_strided(buf, shape=a.shape, strides=(FAR * a.itemsize, a.itemsize))
+    view[...] = a
+    return view
+
+
+# ------------------------------------------------------- the C kernels' guards
+# Called through the private bindings with leading dimensions beyond int32,
+# which the public functions never hand over (they copy such arrays first).
+
+
+def test_sdpa_kernel_refuses_blas_leading_dims_beyond_int32(sparse, rng):
+    """A query row stride of 2**31 + 64 elements: the BLAS path answers
+    FA_EINVAL (2) instead of truncating the leading dimension (which gave
+    'parameter number 8 had an illegal value' and an unwritten output);
+    the register-blocked path, all int64, computes the right result."""
+    qd = rng.standard_normal((1, 3, 4))
+    q = far_stack(sparse, [qd[0, i] for i in range(3)]).reshape(1, 3, 4)
+    assert q.strides[1] == FAR * 8
+    k, v = rng.standard_normal((1, 5, 4)), rng.standard_normal((1, 5, 2))
+    out = np.full((1, 3, 2), 7.0)
+    args = (None, _kernels.MASK_NONE, out, None, (1,), False, 0, 0.5, 3, 5, _kernels.PATH_SINGLE)
+    assert _kernels.sdpa(q, k, v, *args, False, 1) == 2
+    assert np.all(out == 7.0)
+    assert _kernels.sdpa(q, k, v, *args, True, 1) == 0
+    assert_close(out, oracle(qd, k, v, scale=0.5), np.float64)
+
+
+def test_projection_kernel_refuses_blas_leading_dims_beyond_int32(sparse, rng):
+    from fastattn import _scores
+
+    wd = rng.standard_normal((3, 4))
+    w = far_rows(sparse, wd)
+    x = rng.standard_normal((200, 4))
+    y = np.full((200, 8), 7.0)
+    assert _scores.project(x, w, None, y, 1) == 2
+    assert np.all(y == 7.0)
+    assert _scores.project(x, np.ascontiguousarray(w), None, y, 1) == 0
+    assert_close(y[:, :3], x @ wd.T, np.float64)
+
+
+def test_rnn_kernels_refuse_blas_leading_dims_beyond_int32(sparse, rng):
+    from fastattn import _recurrence, _rnn
+
+    _recurrence._ensure_runtime()
+    H, B, T = 3, 2, 4
+    wd = rng.standard_normal((H, H))
+    w = far_rows(sparse, wd)
+    xw = rng.standard_normal((B, T, H))
+    h = rng.standard_normal((B, H))
+    with pytest.raises(RuntimeError, match=r"recurrence kernel rejected its arguments \(status 2"):
+        _rnn.scan(_rnn.CELLS["rnn_tanh"], xw, w, None, h.copy(), None, None, None, False, 1)
+    x = rng.standard_normal((B, 5))
+    wi = rng.standard_normal((H, 5))
+    with pytest.raises(RuntimeError, match=r"cell kernel rejected its arguments \(status 2"):
+        _rnn.cell(_rnn.CELLS["rnn_tanh"], x, wi, None, w, None, h, None,
+                  np.empty((B, H)), None, 1)
