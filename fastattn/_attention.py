@@ -591,8 +591,9 @@ def _project(x, w, b, cdt, n_threads, pad=True):
             y[:, :d_a] += b
     elif d and x.size and d_a:
         x2 = np.ascontiguousarray(x).reshape(-1, d)  # no copy for C-contiguous x
-        if w.shape[0] > 1 and w.strides[-1] != w.itemsize:
-            w = np.ascontiguousarray(w)
+        if w.shape[0] > 1 and (w.strides[-1] != w.itemsize
+                               or w.strides[0] // w.itemsize > _validation.BLAS_INT_MAX):
+            w = np.ascontiguousarray(w)  # (a row stride is a BLAS leading dimension)
         nt = n_threads if x2.shape[0] * d * d_a >= PARALLEL_MIN_WORK else 1
         rc = _scores.project(x2, w, None if b is None else np.ascontiguousarray(b),
                              buf.reshape(-1, dp), nt)

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _kernels, _rnn, _threads
 from ._linear import _dtypes
-from ._validation import BLAS_INT_MAX, as_array, check_float_kind
+from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
 
 __all__ = ["rnn_scan", "rnn_cell", "RNN_CELLS"]
 
@@ -140,11 +140,12 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     if max(GH, B, H) > BLAS_INT_MAX:
         raise ValueError(f"xw: sizes beyond the BLAS 32-bit range are not supported, got shape {xw.shape}")
     xc = xw.astype(ct, copy=False)
-    if xc.strides[2] != xc.itemsize:
+    # the kernel takes element strides: each a multiple of the item size
+    if (xc.strides[2] != xc.itemsize or not xc.flags.aligned
+            or any(st % xc.itemsize for st in xc.strides)):
         xc = np.ascontiguousarray(xc)
-    wc = w.astype(ct, copy=False)
-    if wc.strides[1] != wc.itemsize or wc.strides[0] < H * wc.itemsize:
-        wc = np.ascontiguousarray(wc)
+    # rows BLAS can address: positive row stride within its 32-bit leading dimensions
+    wc = canonical_matrix_stack(w, ct)
     bc = None if b is None else np.ascontiguousarray(b, dtype=ct)
     _ensure_runtime()
     _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
@@ -257,17 +258,16 @@ def _as(a, rdt):
 
 
 def _contig(a, ct):
-    """a as a C-contiguous array of dtype ct (itself when it already is one)."""
-    if a.dtype == ct and a.flags.c_contiguous:
+    """a as an aligned C-contiguous array of dtype ct (itself when it already is one)."""
+    if a.dtype == ct and a.flags.c_contiguous and a.flags.aligned:
         return a
-    return np.ascontiguousarray(a, dtype=ct)
+    return np.array(a, dtype=ct, order="C")  # ascontiguousarray keeps unaligned memory
 
 
 def _rows(a, ct):
-    """a (n, k) in dtype ct with contiguous rows (a view when it already is)."""
-    if a.dtype == ct and a.flags.c_contiguous:
+    """a (n, k) in dtype ct with contiguous rows and a row stride BLAS can take
+    (a multiple of the item size, within its 32-bit leading dimensions; a view
+    when it already is)."""
+    if a.dtype == ct and a.flags.c_contiguous and a.flags.aligned:
         return a
-    a = a.astype(ct, copy=False)
-    if a.strides[1] != a.itemsize or (a.shape[0] > 1 and a.strides[0] < a.shape[1] * a.itemsize):
-        a = np.ascontiguousarray(a)
-    return a
+    return canonical_matrix_stack(a, ct)

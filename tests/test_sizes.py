@@ -130,3 +130,117 @@ def test_rnn_kernels_refuse_blas_leading_dims_beyond_int32(sparse, rng):
     with pytest.raises(RuntimeError, match=r"cell kernel rejected its arguments \(status 2"):
         _rnn.cell(_rnn.CELLS["rnn_tanh"], x, wi, None, w, None, h, None,
                   np.empty((B, H)), None, 1)
+
+
+# ------------------------------------------------- public calls, rows far apart
+
+
+def _scan_oracle(cell, xw, w_hh, b_hh, h0):
+    """rnn_scan by the reference cell: xw is x W_ih^T + b_ih, so W_ih = I."""
+    mode = {"rnn_tanh": "RNN", "gru": "GRU", "lstm": "LSTM"}[cell]
+    B, T, GH = xw.shape
+    H = h0.shape[1]
+    eye = np.eye(GH)
+    out = np.zeros((B, T, H))
+    hT = np.zeros((B, H))
+    for b in range(B):
+        h, c = h0[b], np.zeros(H)
+        for t in range(T):
+            h, c = R.rnn_cell(mode, xw[b, t], h, c, eye, w_hh, None, b_hh)
+            out[b, t] = h
+        hT[b] = h
+    return out, hT
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "gru", "lstm"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rnn_scan_weight_rows_far_apart(sparse, rng, cell, dtype):
+    """w_hh rows 2**31 + 64 elements apart: the row stride is not a leading
+    dimension BLAS can take, so rnn_scan copies the weights.  (It passed it
+    on, truncated: wrong states.)"""
+    G = {"rnn_tanh": 1, "gru": 3, "lstm": 4}[cell]
+    B, T, H = 3, 4, 2
+    wd = (0.5 * rng.standard_normal((G * H, H))).astype(dtype)
+    w = far_rows(sparse, wd)
+    xw = rng.standard_normal((B, T, G * H)).astype(dtype)
+    h0 = rng.standard_normal((B, H)).astype(dtype)
+    b = rng.standard_normal(G * H).astype(dtype)
+    out, hT, _ = fastattn.functional.rnn_scan(xw, w, b, h0, cell=cell)
+    ref_out, ref_h = _scan_oracle(cell, xw, wd, b, h0)
+    assert_close(out, ref_out, dtype)
+    assert_close(hT, ref_h, dtype)
+
+
+@pytest.mark.parametrize("which", ["x", "w_ih", "w_hh"])
+def test_rnn_cell_rows_far_apart(sparse, rng, which):
+    """x, w_ih or w_hh with rows 2**31 + 64 elements apart (float64: always
+    BLAS) are copied, not handed to gemm with a truncated leading dimension."""
+    B, H, In = 2, 3, 5
+    a = {"x": rng.standard_normal((B, In)), "w_ih": rng.standard_normal((3 * H, In)),
+         "w_hh": rng.standard_normal((3 * H, H))}
+    h = rng.standard_normal((B, H))
+    args = dict(a)
+    args[which] = far_rows(sparse, a[which])
+    h1, _ = fastattn.functional.rnn_cell(args["x"], h, args["w_ih"], None, args["w_hh"], None,
+                                         cell="gru")
+    ref = np.stack([R.rnn_cell("GRU", a["x"][r], h[r], None, a["w_ih"], a["w_hh"], None, None)[0]
+                    for r in range(B)])
+    assert_close(h1, ref, np.float64)
+
+
+def _odd_stride_rows(a, pad):
+    """a (n, k) float64 as a field of a packed structured array: row stride
+    8 k + pad bytes (not a multiple of 8, and unaligned for pad % 8)."""
+    st = np.zeros(a.shape[0], dtype=np.dtype([("w", "f8", (a.shape[1],)), ("pad", "u1", (pad,))]))
+    st["w"] = a
+    return st["w"]
+
+
+@pytest.mark.parametrize("pad", [1, 4])
+def test_rnn_weights_with_row_strides_not_a_multiple_of_the_item(rng, pad):
+    """Row strides that are not a whole number of elements: rnn_scan and
+    rnn_cell copy such weights.  (They divided the stride by the item size
+    and read the wrong numbers.)"""
+    B, T, H = 2, 3, 3
+    wd = 0.5 * rng.standard_normal((H, H))
+    w = _odd_stride_rows(wd, pad)
+    assert w.strides[0] % 8
+    xw = rng.standard_normal((B, T, H))
+    h0 = rng.standard_normal((B, H))
+    out, hT, _ = fastattn.functional.rnn_scan(xw, w, None, h0, cell="rnn_tanh")
+    ref_out, ref_h = _scan_oracle("rnn_tanh", xw, wd, None, h0)
+    assert_close(out, ref_out, np.float64)
+    wi = rng.standard_normal((H, 4))
+    x = rng.standard_normal((B, 4))
+    for w_ih, w_hh in ((_odd_stride_rows(wi, pad), wd), (wi, w)):
+        h1, _ = fastattn.functional.rnn_cell(x, h0, w_ih, None, w_hh, None, cell="rnn_tanh")
+        ref = np.tanh(x @ wi.T + h0 @ wd.T)
+        assert_close(h1, ref, np.float64)
+
+
+def test_rnn_scan_input_with_strides_not_a_multiple_of_the_item(rng):
+    """xw's batch / time strides go to C in elements: a packed structured
+    field (strides 8 * 3 + 1 bytes) is copied first."""
+    B, T, H = 2, 3, 3
+    xd = rng.standard_normal((B, T, H))
+    st = np.zeros((B, T), dtype=np.dtype([("x", "f8", (H,)), ("pad", "u1")]))
+    st["x"] = xd
+    wd = 0.5 * rng.standard_normal((H, H))
+    h0 = rng.standard_normal((B, H))
+    out, _, _ = fastattn.functional.rnn_scan(st["x"], wd, None, h0, cell="rnn_tanh")
+    assert_close(out, _scan_oracle("rnn_tanh", xd, wd, None, h0)[0], np.float64)
+
+
+def test_additive_projection_weight_rows_far_apart(sparse, rng):
+    """The additive projections hand w's row stride to gemm as its leading
+    dimension: rows 2**31 + 64 elements apart are copied first (concat's
+    W[:, :d_q] view has a row stride of d_q + d_k, which can exceed int32
+    with each feature size within it)."""
+    from fastattn import _attention
+
+    wd = rng.standard_normal((3, 4))
+    x = rng.standard_normal((2, 100, 4))
+    got = _attention._project(x, far_rows(sparse, wd), None, np.dtype(np.float64), 1)
+    assert got.shape == (2, 100, 8)
+    assert_close(got[..., :3], x @ wd.T, np.float64)
+    assert np.all(got[..., 3:] == 0)
