@@ -129,6 +129,9 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
     nt = _threads.resolve(n_threads)
     ct, rdt = _dtypes(*arrays)
+    # before anything of the size of the outputs is allocated
+    if B and T and H:
+        _check_blas_sizes("xw", xw.shape, (("B", B), ("G * H", GH), ("H", H)))
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -137,8 +140,6 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     out = np.zeros((B, T, H), ct) if return_outputs else None
     if B == 0 or T == 0 or H == 0:
         return _as(out, rdt), _as(h, rdt), _as(c, rdt)
-    if max(GH, B, H) > BLAS_INT_MAX:
-        raise ValueError(f"xw: sizes beyond the BLAS 32-bit range are not supported, got shape {xw.shape}")
     xc = xw.astype(ct, copy=False)
     # the kernel takes element strides: each a multiple of the item size
     if (xc.strides[2] != xc.itemsize or not xc.flags.aligned
@@ -210,14 +211,15 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
         raise ValueError(f"c: only an LSTM has a cell state, got one for cell {cell!r}")
     nt = _threads.resolve(n_threads)
     ct, rdt = _dtypes(*arrays)
+    # before anything of the size of the state is copied or allocated
+    if B and H:
+        _check_blas_sizes("x", x.shape, (("B", B), ("G * H", G * H), ("I", In)))
     h0 = _contig(h, ct)
     c0 = None
     if cell == "lstm":
         c0 = np.zeros((B, H), ct) if c is None else _contig(c, ct)
     if B == 0 or H == 0:
         return _as(h0.copy(), rdt), (None if c0 is None else _as(c0.copy(), rdt))
-    if max(G * H, B, In) > BLAS_INT_MAX:
-        raise ValueError(f"x: sizes beyond the BLAS 32-bit range are not supported, got shape {x.shape}")
     h1 = np.empty((B, H), ct)
     c1 = None if c0 is None else np.empty((B, H), ct)
     if In == 0:  # no input features: x W_ih^T is zero
@@ -255,6 +257,15 @@ def _gru_plain(x, h, wi, bi, wh, bh):
 
 def _as(a, rdt):
     return a if a is None or a.dtype == rdt else a.astype(rdt)
+
+
+def _check_blas_sizes(name, shape, sizes):
+    """The sizes gemm is handed must fit its 32-bit ints (checked before any allocation)."""
+    for what, n in sizes:
+        if n > BLAS_INT_MAX:
+            raise ValueError(
+                f"{name}: {what}={n} exceeds the BLAS 32-bit integer range (max {BLAS_INT_MAX}), "
+                f"got {name} of shape {shape}")
 
 
 def _contig(a, ct):

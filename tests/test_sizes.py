@@ -244,3 +244,132 @@ def test_additive_projection_weight_rows_far_apart(sparse, rng):
     assert got.shape == (2, 100, 8)
     assert_close(got[..., :3], x @ wd.T, np.float64)
     assert np.all(got[..., 3:] == 0)
+
+
+# ------------------------------------------ refused before any allocation
+# As tests/test_errors.py does for scaled_dot_product_attention, for every
+# other entry point: zero-stride views present sizes beyond 2**31 - 1 over a
+# few bytes; the call must raise ValueError naming the size and the BLAS
+# range, having allocated next to nothing (tracemalloc sees NumPy's
+# allocations), in a child process whose address space is capped at +1 GiB
+# (an allocation of that size fails there instead of succeeding lazily).
+# The square weights of 2**31 features are int8 (a float64 view of 2**62
+# elements would exceed NumPy's own size limit).
+
+BIG = 2**31
+
+_E = ("w = np.zeros((4, 4)); "
+      "W = dict(w_query=w, w_key=w, w_value=w, w_out=w)")
+
+REFUSE_CASES = {
+    # attention(similarity=...): the sizes SDPA's checks see (on its stand-ins)
+    "attention_additive_Lk": (
+        "fastattn.attention(np.zeros((2, 4)), bc((BIG, 4)), bc((BIG, 1)), 'additive', "
+        "params={'W_q': np.ones((3, 4)), 'W_k': np.ones((3, 4)), 'v': np.ones(3)})",
+        "Lk=2147483648 exceeds the BLAS 32-bit integer range"),
+    "attention_additive_Lq": (
+        "fastattn.attention(bc((BIG, 4)), np.zeros((3, 4)), np.zeros((3, 2)), 'additive', "
+        "params={'W_q': np.ones((3, 4)), 'W_k': np.ones((3, 4)), 'v': np.ones(3)})",
+        "Lq=2147483648 exceeds the BLAS 32-bit integer range"),
+    "attention_compiled_dv": (
+        "fastattn.attention(np.zeros((2, 4)), np.zeros((3, 4)), bc((3, BIG)), "
+        "testing.selftest_similarity())",
+        "dv=2147483648 exceeds the BLAS 32-bit integer range"),
+    "attention_dot_Lk_masked": (
+        "fastattn.attention(np.zeros((2, 4)), bc((BIG, 4)), bc((BIG, 1)), 'dot', "
+        "attn_mask=bc((1, BIG), np.bool_))",
+        "Lk=2147483648 exceeds the BLAS 32-bit integer range"),
+    # multi_head_attention: the projections' rows and features
+    "mha_B_Lq": (
+        _E + "; x = bc((2**16, 2**15, 4)); fastattn.multi_head_attention(x, x, x, num_heads=2, **W)",
+        "B * Lq=2147483648 exceeds the BLAS 32-bit integer range"),
+    "mha_B_Lk": (
+        _E + "; q = np.zeros((1, 2, 4)); kv = bc((1, BIG, 4)); "
+        "fastattn.multi_head_attention(q, kv, kv, num_heads=2, **W)",
+        "B * Lk=2147483648 exceeds the BLAS 32-bit integer range"),
+    "mha_kdim": (
+        "w = np.zeros((4, 4)); q = np.zeros((1, 2, 4)); k = bc((1, 3, BIG)); v = np.zeros((1, 3, 4)); "
+        "fastattn.multi_head_attention(q, k, v, num_heads=2, w_query=w, w_key=bc((4, BIG)), "
+        "w_value=w, w_out=w)",
+        "kdim=2147483648 exceeds the BLAS 32-bit integer range"),
+    "mha_E": (
+        "x = bc((1, 2, BIG)); w = bc((BIG, BIG), np.int8); "
+        "fastattn.multi_head_attention(x, x, x, num_heads=1, w_query=w, w_key=w, w_value=w, w_out=w)",
+        "E=2147483648 exceeds the BLAS 32-bit integer range"),
+    # the recurrences: rows, gates and features of their gemms
+    "rnn_scan_B": (
+        "fastattn.functional.rnn_scan(bc((BIG, 2, 3)), np.zeros((3, 1)), None, bc((BIG, 1)), "
+        "cell='gru')",
+        "xw: B=2147483648 exceeds the BLAS 32-bit integer range"),
+    "rnn_scan_H": (
+        "fastattn.functional.rnn_scan(bc((1, 2, BIG)), bc((BIG, BIG), np.int8), None, bc((1, BIG)), "
+        "cell='rnn_tanh')",
+        "xw: G * H=2147483648 exceeds the BLAS 32-bit integer range"),
+    "rnn_scan_B_lstm": (
+        "fastattn.functional.rnn_scan(bc((BIG, 1, 4)), np.zeros((4, 1)), None, bc((BIG, 1)), "
+        "cell='lstm', c0=bc((BIG, 1)))",
+        "xw: B=2147483648 exceeds the BLAS 32-bit integer range"),
+    "rnn_cell_B": (
+        "fastattn.functional.rnn_cell(bc((BIG, 2)), bc((BIG, 1)), np.zeros((4, 2)), None, "
+        "np.zeros((4, 1)), None, cell='lstm')",
+        "x: B=2147483648 exceeds the BLAS 32-bit integer range"),
+    "rnn_cell_I": (
+        "fastattn.functional.rnn_cell(bc((1, BIG)), np.zeros((1, 1)), bc((3, BIG)), None, "
+        "np.zeros((3, 1)), None, cell='gru')",
+        "x: I=2147483648 exceeds the BLAS 32-bit integer range"),
+    "rnn_cell_GH": (
+        "fastattn.functional.rnn_cell(np.zeros((1, 1)), bc((1, 2**30)), bc((3 * 2**30, 1)), None, "
+        "bc((3 * 2**30, 2**30), np.int8), None, cell='gru')",
+        "x: G * H=3221225472 exceeds the BLAS 32-bit integer range"),
+}
+
+_REFUSE_CHILD = textwrap.dedent(r"""
+    import json, resource, sys, tracemalloc
+    import numpy as np
+    import fastattn
+    from fastattn import testing
+    BIG = 2**31
+    def bc(shape, dtype=np.float64):
+        return np.broadcast_to(np.zeros((1,) * len(shape), dtype), shape)
+    # warm up (thread pool, BLAS buffers, lazy imports) before capping the address space
+    r = np.random.default_rng(0).standard_normal((2, 16, 8))
+    w = np.eye(8)
+    fastattn.multi_head_attention(r, r, r, num_heads=2, w_query=w, w_key=w, w_value=w, w_out=w)
+    fastattn.attention(r, r, r, testing.selftest_similarity())
+    fastattn.functional.rnn_scan(r[:, :, :6], np.zeros((6, 2)), None, np.zeros((2, 2)), cell="gru")
+    fastattn.functional.rnn_cell(r[:, 0], np.zeros((2, 2)), np.zeros((6, 8)), None,
+                                 np.zeros((6, 2)), None, cell="gru")
+    with open("/proc/self/status") as f:
+        vm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:")][0]
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    results = {}
+    for name, src in json.loads(sys.argv[1]).items():
+        ns = {"np": np, "bc": bc, "BIG": BIG, "fastattn": fastattn, "testing": testing}
+        tracemalloc.start()
+        try:
+            exec(src, ns)
+            res = {"exc": None, "msg": "returned normally"}
+        except BaseException as e:
+            res = {"exc": type(e).__name__, "msg": str(e)}
+        res["peak"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        results[name] = res
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def refuse_results():
+    src = {name: case[0] for name, case in REFUSE_CASES.items()}
+    proc = run_child(_REFUSE_CHILD, [json.dumps(src)])
+    assert proc.returncode == 0, f"child crashed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(REFUSE_CASES))
+def test_sizes_beyond_blas_refused_before_allocating(refuse_results, case):
+    res = refuse_results[case]
+    assert res["exc"] == "ValueError", res
+    assert REFUSE_CASES[case][1] in res["msg"], res
+    assert f"(max {BLAS_INT_MAX})" in res["msg"], res
+    assert res["peak"] < 64 * 2**20, f"allocated {res['peak']} bytes before raising: {res}"
