@@ -373,3 +373,190 @@ def test_sizes_beyond_blas_refused_before_allocating(refuse_results, case):
     assert REFUSE_CASES[case][1] in res["msg"], res
     assert f"(max {BLAS_INT_MAX})" in res["msg"], res
     assert res["peak"] < 64 * 2**20, f"allocated {res['peak']} bytes before raising: {res}"
+
+
+# ----------------------------- public calls, batch items 2**31 elements apart
+# Canonicalisation keeps any batch stride (no copy), so the kernels compute
+# element offsets beyond int32 for the second item of every operand.
+
+SDPA_SHAPES = {                # Lq, Lk, d, dv
+    "decode": (2, 7, 5, 3),    # few-row products
+    "single": (20, 40, 8, 4),  # one pass over the keys (scalar: BLAS or small products)
+    "stream": (40, 600, 8, 4),  # key tiles (AVX2: packed products; scalar: BLAS)
+}
+
+
+@pytest.mark.parametrize("shape", list(SDPA_SHAPES))
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_batch_items_far_apart(sparse, rng, simd_mode, shape, mask, dtype):
+    """q, k, v, the mask and out all with their two batch items 2**31 + 64
+    elements apart: the result (written straight into out) matches the
+    float64 oracle; the weights (our own array) too."""
+    Lq, Lk, d, dv = SDPA_SHAPES[shape]
+    qd = rng.standard_normal((2, Lq, d)).astype(dtype)
+    kd = rng.standard_normal((2, Lk, d)).astype(dtype)
+    vd = rng.standard_normal((2, Lk, dv)).astype(dtype)
+    q, k, v = (far_stack(sparse, list(a), dtype) for a in (qd, kd, vd))
+    md = None
+    m = None
+    if mask == "bool":
+        md = rng.random((2, Lq, Lk)) < 0.7
+        md[1, -1] = False  # a fully masked row
+        m = far_stack(sparse, list(md), np.bool_)
+    elif mask == "float":
+        md = rng.standard_normal((2, Lq, Lk)).astype(dtype)
+        m = far_stack(sparse, list(md), dtype)
+    out = far_stack(sparse, [np.zeros((Lq, dv), dtype)] * 2, dtype)
+    res, w = fastattn.scaled_dot_product_attention(q, k, v, m, out=out, return_weights=True)
+    assert res is out
+    ref, ref_w = oracle(qd, kd, vd, md, return_weights=True)
+    assert_close(np.array(out), ref, dtype)
+    assert_close(w, ref_w, dtype)
+    res = fastattn.scaled_dot_product_attention(q, k, v, m, is_causal=True, out=out)
+    assert_close(np.array(out), oracle(qd, kd, vd, md, is_causal=True), dtype)
+
+
+@pytest.mark.parametrize("sim", ["additive", "compiled"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_batch_items_far_apart(sparse, rng, sim, dtype):
+    """attention(similarity=...) with q, k, v, mask and out far apart: the
+    tiled kernel (fed the projections or, for a compiled plugin, q and k as
+    they are) reads and writes beyond int32 offsets."""
+    from fastattn import testing
+
+    Lq, Lk, d, dv = 30, 300, 6, 3
+    qd = (0.5 * rng.standard_normal((2, Lq, d))).astype(dtype)
+    kd = (0.5 * rng.standard_normal((2, Lk, d))).astype(dtype)
+    vd = rng.standard_normal((2, Lk, dv)).astype(dtype)
+    md = rng.random((2, Lq, Lk)) < 0.8
+    q, k, v = (far_stack(sparse, list(a), dtype) for a in (qd, kd, vd))
+    m = far_stack(sparse, list(md), np.bool_)
+    out = far_stack(sparse, [np.zeros((Lq, dv), dtype)] * 2, dtype)
+    if sim == "additive":
+        P = {"W_q": rng.standard_normal((5, d)), "W_k": rng.standard_normal((5, d)),
+             "v": rng.standard_normal(5)}
+        res = fastattn.attention(q, k, v, "additive", params=P, attn_mask=m, out=out)
+        score = lambda a, b: R.score_additive(a, b, P["W_q"], P["W_k"], P["v"])  # noqa: E731
+    else:
+        res = fastattn.attention(q, k, v, testing.selftest_similarity(), attn_mask=m, out=out)
+        score = R.score_neg_sq_dist
+    assert res is out
+    assert_close(np.array(out), R.attention(qd, kd, vd, score, attn_mask=md), dtype)
+
+
+@pytest.mark.parametrize("Lq", [1, 5])
+def test_multi_head_attention_batch_items_far_apart(sparse, rng, Lq):
+    """The projections read batch items 2**31 + 64 elements apart (for one
+    row per item, not gathered into one matrix: that stride is no leading
+    dimension BLAS can take)."""
+    B, Lk, E, H = 2, 6, 8, 2
+    qd, kd, vd = (rng.standard_normal((B, L, E)) for L in (Lq, Lk, Lk))
+    W = {n: 0.3 * rng.standard_normal((E, E)) for n in ("w_query", "w_key", "w_value", "w_out")}
+    q, k, v = (far_stack(sparse, list(a)) for a in (qd, kd, vd))
+    got = fastattn.multi_head_attention(q, k, v, num_heads=H, **W)
+    ref = R.multi_head_attention(qd, kd, vd, num_heads=H, **W)
+    assert_close(got, ref, np.float64)
+
+
+def test_rnn_scan_batch_items_far_apart(sparse, rng):
+    """xw's batch stride is an element offset in the C time loop."""
+    B, T, H = 2, 5, 4
+    xd = rng.standard_normal((B, T, 3 * H))
+    wd = 0.4 * rng.standard_normal((3 * H, H))
+    h0 = rng.standard_normal((B, H))
+    out, hT, _ = fastattn.functional.rnn_scan(far_stack(sparse, list(xd)), wd, None, h0, cell="gru")
+    ref_out, ref_h = _scan_oracle("gru", xd, wd, None, h0)
+    assert_close(out, ref_out, np.float64)
+    assert_close(hT, ref_h, np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_broadcast_batch_beyond_2_31_elements(rng, dtype):
+    """A legitimately computable call: keys and values broadcast over 2100
+    queries' batch present 2.2e9 key elements (zero batch stride, 4 MiB of
+    real memory); every item matches the oracle."""
+    B, Lk, d = 2100, 1024, 1024
+    kd = rng.standard_normal((Lk, d)).astype(dtype)
+    vd = rng.standard_normal((Lk, 2)).astype(dtype)
+    qd = (0.05 * rng.standard_normal((B, 1, d))).astype(dtype)
+    k = np.broadcast_to(kd, (B, Lk, d))
+    v = np.broadcast_to(vd, (B, Lk, 2))
+    assert k.size > 2**31
+    got = fastattn.scaled_dot_product_attention(qd, k, v)
+    assert got.shape == (B, 1, 2)
+    # the oracle as one (B, d) x (Lk, d) problem: the same keys for every query
+    assert_close(got[:, 0], oracle(qd[:, 0], kd, vd), dtype)
+
+
+# ------------------------------------------------------------- at real size
+# Deselected by default (pyproject.toml: -m 'not slow'); run them with
+#   pytest -m slow tests/test_sizes.py
+# Together they need about 2.3 GB of memory and a minute or two on 2 cores.
+
+SLOW_LQ, SLOW_LK = 40_000, 54_000   # a (Lq, Lk) mask of 2.16e9 elements
+
+
+@pytest.fixture(scope="module")
+def real_size_mask():
+    """A C-contiguous boolean (40000, 54000) mask, 2.16e9 real elements
+    (2.2 GB): key j is allowed for query i unless (7 i + j) % 5 == 0; the
+    last query row is fully masked."""
+    m = np.empty((SLOW_LQ, SLOW_LK), dtype=np.bool_)
+    j = np.arange(SLOW_LK)
+    for i0 in range(0, SLOW_LQ, 256):
+        i = np.arange(i0, min(i0 + 256, SLOW_LQ))[:, None]
+        np.not_equal((7 * i + j) % 5, 0, out=m[i0:i0 + 256])
+    m[-1] = False
+    assert m.size > 2**31
+    yield m
+    del m
+
+
+_SLOW_ROWS = [0, 1, 17_000, SLOW_LQ - 3, SLOW_LQ - 2, SLOW_LQ - 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_mask_beyond_2_31_elements(real_size_mask, dtype):
+    """scaled_dot_product_attention with a real mask of 2.16e9 elements: the
+    mask offsets of the last rows (i * Lk + j > 2**31) are int64 in the
+    kernel; rows from both ends match the oracle, the fully masked last row
+    is zeros."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((SLOW_LQ, 8)).astype(dtype)
+    k = rng.standard_normal((SLOW_LK, 8)).astype(dtype)
+    v = rng.standard_normal((SLOW_LK, 4)).astype(dtype)
+    got = fastattn.scaled_dot_product_attention(q, k, v, real_size_mask)
+    rows = _SLOW_ROWS
+    assert_close(got[rows], oracle(q[rows], k, v, real_size_mask[rows]), dtype)
+    assert np.all(got[-1] == 0)
+
+
+@pytest.mark.slow
+def test_tiled_attention_mask_beyond_2_31_elements(real_size_mask):
+    """The same mask through the tiled kernel of a compiled similarity."""
+    from fastattn import testing
+
+    rng = np.random.default_rng(8)
+    q = (0.3 * rng.standard_normal((SLOW_LQ, 8))).astype(np.float32)
+    k = (0.3 * rng.standard_normal((SLOW_LK, 8))).astype(np.float32)
+    v = rng.standard_normal((SLOW_LK, 4)).astype(np.float32)
+    got = fastattn.attention(q, k, v, testing.selftest_similarity(), attn_mask=real_size_mask)
+    rows = _SLOW_ROWS
+    ref = R.attention(q[rows], k, v, R.score_neg_sq_dist, attn_mask=real_size_mask[rows])
+    assert_close(got[rows], ref, np.float32)
+    assert np.all(got[-1] == 0)
+
+
+@pytest.mark.slow
+def test_linear_features_beyond_blas_computed_by_numpy():
+    """linear() with K = 2**31 + 8 features (zero-stride views): beyond BLAS's
+    ints it is NumPy's matmul, with the exact result (a sum of 2**31 + 8
+    terms 0.125 in float64)."""
+    K = 2**31 + 8
+    x = np.broadcast_to(0.5, (1, K))
+    w = np.broadcast_to(0.25, (3, K))
+    y = fastattn.functional.linear(x, w, np.array([1.0, 2.0, 3.0]))
+    assert y.shape == (1, 3)
+    assert np.array_equal(y, [[K * 0.125 + 1, K * 0.125 + 2, K * 0.125 + 3]])
