@@ -240,7 +240,9 @@ def _gru_plain(x, h, wi, bi, wh, bh):
     if not (x.dtype == f and h.dtype == f and wi.dtype == f and wh.dtype == f and bi.dtype == f
             and bh.dtype == f and x.ndim == 2 and h.ndim == 2 and x.flags.c_contiguous
             and h.flags.c_contiguous and wi.flags.c_contiguous and wh.flags.c_contiguous
-            and bi.flags.c_contiguous and bh.flags.c_contiguous):
+            and bi.flags.c_contiguous and bh.flags.c_contiguous and x.flags.aligned
+            and h.flags.aligned and wi.flags.aligned and wh.flags.aligned and bi.flags.aligned
+            and bh.flags.aligned):
         return None
     B, H = h.shape
     GH = 3 * H
