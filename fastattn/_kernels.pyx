@@ -18,8 +18,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
-from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
-                                  thread_ident)
+from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 cnp.import_array()
 
@@ -200,12 +199,8 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.direct = direct
     a.n_threads = n_threads
     cdef interrupt_state intr
-    intr.fired = 0
-    a.stop = NULL
-    a.stop_ctx = NULL
-    if on_thread(_main_ident):
-        a.stop = interrupt_stop
-        a.stop_ctx = &intr
+    a.stop = interrupt_arm(&intr, _main_ident)
+    a.stop_ctx = &intr if a.stop != NULL else NULL
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
         with nogil:
             rc = fa_sdpa_f32(&a)
@@ -429,12 +424,8 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     a.direct = p_direct
     a.n_threads = p_nt
     cdef interrupt_state intr
-    intr.fired = 0
-    a.stop = NULL
-    a.stop_ctx = NULL
-    if on_thread(_main_ident):
-        a.stop = interrupt_stop
-        a.stop_ctx = &intr
+    a.stop = interrupt_arm(&intr, _main_ident)
+    a.stop_ctx = &intr if a.stop != NULL else NULL
     cdef int rc
     if typenum == cnp.NPY_FLOAT32:
         with nogil:
