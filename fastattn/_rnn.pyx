@@ -324,8 +324,8 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     cdef int *done_base = NULL
     cdef char *hb = NULL
     s.split = 0
-    if (g_split and g_rt.pool_run != NULL and nt > 1 and T > 1 and B < <int64_t>nt * g_min_block_rows
-            and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
+    if (g_split and g_rt.pool_run != NULL and nt > 1 and T > 1
+            and B < <int64_t>nt * g_min_block_rows and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
         # few rows: split the units of every step (see fa_rnn.h)
         s.split = 1
         s.sp.nb = nt
