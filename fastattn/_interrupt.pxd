@@ -9,7 +9,8 @@ a handler raised (KeyboardInterrupt by default), the exception stays set on
 the calling thread, the callback returns 1 from then on without asking again,
 and the kernel stops early.  After the kernel returned (GIL held again) the
 binding calls ``interrupt_raise``, which re-raises that exception: its
-outputs are then incomplete and must be dropped.
+outputs are then incomplete and must be dropped.  ``interrupt_arm`` does the
+first half: it zeroes the state and gives the callback (NULL off the main thread).
 """
 from cpython.exc cimport PyErr_Occurred
 
@@ -22,6 +23,10 @@ cdef extern from "Python.h":
 
 cdef struct interrupt_state:
     int fired
+
+
+# the kernels' stop callback: non-zero means stop
+ctypedef int (*stop_fn)(void *ctx) noexcept nogil
 
 
 cdef inline int interrupt_stop(void *ctx) noexcept nogil:
@@ -50,3 +55,12 @@ cdef extern from "pythread.h":
 cdef inline bint on_thread(unsigned long ident) noexcept nogil:
     """True on the thread of that ident (the bindings keep the main thread's)."""
     return thread_ident() == ident
+
+
+cdef inline stop_fn interrupt_arm(interrupt_state *s, unsigned long main_ident) noexcept nogil:
+    """Zero ``s``; ``interrupt_stop`` (with ``s`` as its context) for a call on the
+    thread ``main_ident``, else NULL (no signal handler runs elsewhere)."""
+    s.fired = 0
+    if on_thread(main_ident):
+        return interrupt_stop
+    return NULL

@@ -18,8 +18,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
-from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
-                                  thread_ident)
+from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 cnp.import_array()
 
@@ -96,6 +95,22 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+cdef int _run_sdpa(fa_sdpa_args *a, bint f32) except? -1:
+    """fa_sdpa_f32 / _f64 on ``a`` with the GIL released and, from the main thread,
+    the stop callback; then raise what a signal handler raised meanwhile."""
+    cdef interrupt_state intr
+    cdef int rc
+    a.stop = interrupt_arm(&intr, _main_ident)
+    a.stop_ctx = &intr if a.stop != NULL else NULL
+    with nogil:
+        if f32:
+            rc = fa_sdpa_f32(a)
+        else:
+            rc = fa_sdpa_f64(a)
+    interrupt_raise(&intr)
+    return rc
 
 
 def set_blas_threads_hook(uintptr_t address):
@@ -199,20 +214,7 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.path = path
     a.direct = direct
     a.n_threads = n_threads
-    cdef interrupt_state intr
-    intr.fired = 0
-    a.stop = NULL
-    a.stop_ctx = NULL
-    if on_thread(_main_ident):
-        a.stop = interrupt_stop
-        a.stop_ctx = &intr
-    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
-        with nogil:
-            rc = fa_sdpa_f32(&a)
-    else:
-        with nogil:
-            rc = fa_sdpa_f64(&a)
-    interrupt_raise(&intr)
+    rc = _run_sdpa(&a, cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32)
     return rc
 
 
@@ -428,21 +430,7 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     a.path = p_path
     a.direct = p_direct
     a.n_threads = p_nt
-    cdef interrupt_state intr
-    intr.fired = 0
-    a.stop = NULL
-    a.stop_ctx = NULL
-    if on_thread(_main_ident):
-        a.stop = interrupt_stop
-        a.stop_ctx = &intr
-    cdef int rc
-    if typenum == cnp.NPY_FLOAT32:
-        with nogil:
-            rc = fa_sdpa_f32(&a)
-    else:
-        with nogil:
-            rc = fa_sdpa_f64(&a)
-    interrupt_raise(&intr)
+    cdef int rc = _run_sdpa(&a, typenum == cnp.NPY_FLOAT32)
     if rc != FA_OK:
         return rc
     return out

@@ -40,8 +40,10 @@ from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
-from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+from fastattn._interrupt cimport (interrupt_arm, interrupt_raise, interrupt_state, stop_fn,
                                   thread_ident)
+from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release,
+                                runtime_run, runtime_set, runtime_simd)
 
 cnp.import_array()
 
@@ -61,32 +63,9 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                           const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
 
-cdef extern from *:
-    """
-    /* a task's status, written by any worker of the pool (one int, relaxed) */
-    static inline void fa_proj_store_status(int *p, int v)
-    {
-    #if defined(__GNUC__) || defined(__clang__)
-        __atomic_store_n(p, v, __ATOMIC_RELAXED);
-    #else
-        *p = v;
-    #endif
-    }
-    """
-    void fa_proj_store_status(int *p, int v) noexcept nogil
-
-ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
-ctypedef int (*stop_fn)(void *ctx) noexcept nogil
-ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
-                            stop_fn stop, void *stop_ctx) noexcept nogil
-ctypedef void *(*hold_enter_fn)() noexcept nogil
-ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
-ctypedef int (*simd_active_fn)() noexcept nogil
-
-cdef pool_run_fn g_pool_run = NULL
-cdef hold_enter_fn g_hold_enter = NULL
-cdef hold_exit_fn g_hold_exit = NULL
-cdef simd_active_fn g_simd_active = NULL
+# this module's copy of fastattn._kernels' pool, BLAS hold and SIMD switch
+# (fastattn/_runtime.pxd): a C static, so all NULL until set_runtime
+cdef runtime g_rt
 
 # Blocking (measured on the 2-core AVX2 machine, E = 512): about two blocks a
 # thread keep both cores busy when one is briefly taken by another process;
@@ -154,25 +133,16 @@ def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
     ``FASTATTN_DISABLE_SIMD`` turns off) gates the few-row kernel; without it
     that kernel is not used.
     """
-    global g_pool_run, g_hold_enter, g_hold_exit, g_simd_active
-    g_simd_active = <simd_active_fn>simd_active if simd_active else NULL
-    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
-        g_pool_run = NULL
-        g_hold_enter = NULL
-        g_hold_exit = NULL
-        return
-    g_hold_enter = <hold_enter_fn>hold_enter
-    g_hold_exit = <hold_exit_fn>hold_exit
-    g_pool_run = <pool_run_fn>pool_run
+    runtime_set(&g_rt, pool_run, hold_enter, hold_exit, simd_active)
 
 
 def small_kernel_active():
     """True when float32 blocks of few rows use csrc/fa_proj.c rather than sgemm."""
-    return g_simd_active != NULL and g_simd_active() != 0 and fa_proj_small_available() != 0
+    return runtime_simd(&g_rt) and fa_proj_small_available() != 0
 
 
 def runtime_installed():
-    return g_pool_run != NULL
+    return g_rt.pool_run != NULL
 
 
 cdef inline int64_t _rows_ld(cnp.ndarray a, int64_t cols) noexcept:
@@ -215,7 +185,7 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
                                <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
                                <float *>y, c.ldy)
         if rc != 0:  # recorded for linear() to raise; the block is left unwritten
-            fa_proj_store_status(&c.status, rc)
+            fa_store_status(&c.status, rc)
         return
     if c.b != NULL:
         beta_f = 1
@@ -290,7 +260,7 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
         c.M = M
     c.xbs = xbs
     c.ybs = ybs
-    if g_pool_run == NULL or (2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS
+    if g_rt.pool_run == NULL or (2.0 * nb * c.M * c.N * c.K < PARALLEL_MIN_FLOPS
                               and <int64_t>c.N * c.K < PARALLEL_MIN_WEIGHTS):
         nt = 1
     target = <int64_t>g_blocks_per_thread * nt if nt > 1 else 1
@@ -320,28 +290,19 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     c.nbm = (c.M + c.mb - 1) // c.mb
     c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
-    c.small = (c.f32 and c.mb <= g_small_m and g_simd_active != NULL and g_simd_active() != 0
-               and fa_proj_small_available() != 0)
+    c.small = c.f32 and c.mb <= g_small_m and runtime_simd(&g_rt) and fa_proj_small_available() != 0
     c.status = 0
     cdef int64_t t
     cdef interrupt_state intr
-    cdef stop_fn stop = NULL
-    intr.fired = 0
-    if on_thread(_main_ident):
-        stop = interrupt_stop
-    if g_pool_run == NULL:
-        with nogil:
+    cdef stop_fn stop = interrupt_arm(&intr, _main_ident)
+    with nogil:
+        hook = runtime_hold(&g_rt)
+        if nt > 1 or stop != NULL:  # the pool, when there is one and more than one block
+            runtime_run(&g_rt, ntasks, nt, _task, &c, stop, &intr)
+        else:
             for t in range(ntasks):
                 _task(&c, t, 0)
-    else:
-        with nogil:
-            hook = g_hold_enter()
-            if ntasks > 1 and (nt > 1 or stop != NULL):
-                g_pool_run(ntasks, nt if nt < ntasks else <int>ntasks, _task, &c, stop, &intr)
-            else:
-                for t in range(ntasks):
-                    _task(&c, t, 0)
-            g_hold_exit(hook)
+        runtime_release(&g_rt, hook)
     interrupt_raise(&intr)
     if c.status != 0:
         raise RuntimeError(f"fastattn._proj: the few-row kernel rejected its arguments "

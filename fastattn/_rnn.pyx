@@ -26,8 +26,10 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uintptr_t
 from libc.string cimport memcpy
 
-from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
+from fastattn._interrupt cimport (interrupt_arm, interrupt_raise, interrupt_state, interrupt_stop,
                                   thread_ident)
+from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release,
+                                runtime_run, runtime_set, runtime_simd)
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 cnp.import_array()
@@ -90,28 +92,9 @@ cdef extern from "fa_rnn.h" nogil:
 cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
 
-cdef extern from *:
-    """
-    static inline void fa_rnn_store_status(int *p, int v)
-    {
-    #if defined(__GNUC__) || defined(__clang__)
-        __atomic_store_n(p, v, __ATOMIC_RELAXED);
-    #else
-        *p = v;
-    #endif
-    }
-    """
-    void fa_rnn_store_status(int *p, int v) noexcept nogil
-
-ctypedef void (*task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
-ctypedef int (*stop_fn)(void *ctx) noexcept nogil
-ctypedef int (*pool_run_fn)(int64_t ntasks, int nthreads, task_fn fn, void *ctx,
-                            stop_fn stop, void *stop_ctx) noexcept nogil
-ctypedef void *(*hold_enter_fn)() noexcept nogil
-ctypedef void (*hold_exit_fn)(void *hook) noexcept nogil
-ctypedef int (*simd_active_fn)() noexcept nogil
-
-cdef pool_run_fn g_pool_run = NULL
+# this module's copy of fastattn._kernels' pool, BLAS hold and SIMD switch
+# (fastattn/_runtime.pxd): a C static, so all NULL until set_runtime
+cdef runtime g_rt
 
 # signal handlers run on the main thread only (as in fastattn._kernels)
 cdef unsigned long _main_ident = threading.main_thread().ident
@@ -123,9 +106,6 @@ def _after_fork_in_child():
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-cdef hold_enter_fn g_hold_enter = NULL
-cdef hold_exit_fn g_hold_exit = NULL
-cdef simd_active_fn g_simd_active = NULL
 
 CELLS = {"rnn_tanh": 0, "rnn_relu": 1, "gru": 2, "lstm": 3}
 
@@ -157,25 +137,16 @@ cdef double g_chunk_flops = 1e8
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
                 uintptr_t simd_active=0):
     """Install fastattn._kernels' pool, BLAS hold and SIMD switch (C addresses); 0s uninstall."""
-    global g_pool_run, g_hold_enter, g_hold_exit, g_simd_active
-    g_simd_active = <simd_active_fn>simd_active if simd_active else NULL
-    if pool_run == 0 or hold_enter == 0 or hold_exit == 0:
-        g_pool_run = NULL
-        g_hold_enter = NULL
-        g_hold_exit = NULL
-        return
-    g_hold_enter = <hold_enter_fn>hold_enter
-    g_hold_exit = <hold_exit_fn>hold_exit
-    g_pool_run = <pool_run_fn>pool_run
+    runtime_set(&g_rt, pool_run, hold_enter, hold_exit, simd_active)
 
 
 def runtime_installed():
-    return g_pool_run != NULL
+    return g_rt.pool_run != NULL
 
 
 def simd_active():
     """True when the gates use the AVX2 code (fastattn's dispatch, FASTATTN_DISABLE_SIMD)."""
-    return g_simd_active != NULL and g_simd_active() != 0
+    return runtime_simd(&g_rt)
 
 
 def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None,
@@ -195,6 +166,27 @@ def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=
     if small_m is not None:
         g_small_m = max(0, int(small_m))
     return prev
+
+
+cdef int _gates(int cell) except 0:
+    """The cell's gate count G (ValueError for an unknown cell code)."""
+    cdef int G = fa_rnn_gates(cell)
+    if G == 0:
+        raise ValueError(f"cell: unknown code {cell}")
+    return G
+
+
+cdef int _check_status(int status, str kernel, int64_t B, int64_t T, int64_t H, int64_t nin,
+                       int cell) except -1:
+    """Raise a kernel's non-zero status (the checks before the call missed a case);
+    T or nin < 0: not part of that kernel's sizes."""
+    if status == 0:
+        return 0
+    sizes = f"B={B}, " + (f"T={T}, " if T >= 0 else "") + f"H={H}, "
+    if nin >= 0:
+        sizes += f"I={nin}, "
+    raise RuntimeError(f"fastattn._rnn: the {kernel} kernel rejected its arguments "
+                       f"(status {status}; {sizes}cell={cell})")
 
 
 ctypedef struct scan_ctx:
@@ -220,7 +212,7 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
         else:
             rc = fa_rnn_split_f64(&c.a, &c.sp, t, <double *>c.scratch + t * c.per)
         if rc != 0:
-            fa_rnn_store_status(&c.status, rc)
+            fa_store_status(&c.status, rc)
         return
     if b1 > c.a.B:
         b1 = c.a.B
@@ -231,7 +223,7 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     else:
         rc = fa_rnn_f64(&c.a, b0, b1, <double *>c.scratch + b0 * c.gh)
     if rc != 0:
-        fa_rnn_store_status(&c.status, rc)
+        fa_store_status(&c.status, rc)
 
 
 cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, int64_t item,
@@ -272,16 +264,14 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     cdef int64_t B = cnp.PyArray_DIMS(xw)[0]
     cdef int64_t T = cnp.PyArray_DIMS(xw)[1]
     cdef int64_t H = cnp.PyArray_DIMS(h)[1]
-    cdef int G = fa_rnn_gates(cell)
+    cdef int G = _gates(cell)
     cdef int nt = n_threads if n_threads > 0 else 1
     cdef int64_t nblocks, t
     cdef void *hook = NULL
     cdef cnp.ndarray scratch
-    if G == 0:
-        raise ValueError(f"cell: unknown code {cell}")
     s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
     s.a.cell = cell
-    s.a.simd = g_simd_active != NULL and g_simd_active() != 0
+    s.a.simd = runtime_simd(&g_rt)
     s.a.B = B
     s.a.T = T
     s.a.H = H
@@ -314,8 +304,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     cdef cnp.ndarray claimed, done, hbuf
     # main thread: the steps in chunks, the stop callback asked between them
     cdef interrupt_state intr
-    intr.fired = 0
-    cdef bint interruptible = on_thread(_main_ident)
+    cdef bint interruptible = interrupt_arm(&intr, _main_ident) != NULL
     cdef int64_t chunk = T
     cdef double step_flops = 2.0 * B * s.gh * H
     if interruptible and step_flops * T > g_chunk_flops:
@@ -331,12 +320,12 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     cdef const char *xw_base = <const char *>s.a.xw
     cdef char *out_base = <char *>s.a.out
     cdef int64_t t0, tc, k, hb_bytes = B * H * item
-    cdef unsigned char *claimed_base
-    cdef int *done_base
-    cdef char *hb
+    cdef unsigned char *claimed_base = NULL
+    cdef int *done_base = NULL
+    cdef char *hb = NULL
     s.split = 0
-    if (g_split and g_pool_run != NULL and nt > 1 and T > 1 and B < <int64_t>nt * g_min_block_rows
-            and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
+    if (g_split and g_rt.pool_run != NULL and nt > 1 and T > 1
+            and B < <int64_t>nt * g_min_block_rows and H >= 2 * g_split_min_units and 2.0 * B * s.gh * H >= SPLIT_MIN_FLOPS):
         # few rows: split the units of every step (see fa_rnn.h)
         s.split = 1
         s.sp.nb = nt
@@ -352,73 +341,50 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
         s.sp.hbuf = hb
         s.per = 2 * B * G * s.sp.units
         scratch = cnp.PyArray_EMPTY(1, [nt * s.per], cnp.PyArray_TYPE(xw), 0)
-        s.scratch = <char *>cnp.PyArray_DATA(scratch)
-        with nogil:
-            hook = g_hold_enter()
-            # chunk k: steps [t0, t1); every chunk starts from hbuf[1] and has
-            # fresh claimed / done entries (those of its own steps)
-            k = 0
-            while k < T:
-                tc = chunk if chunk < T - k else T - k
-                t0 = k if not reverse else T - k - tc
-                if tc < T:
-                    _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
-                s.sp.claimed = claimed_base + k * s.sp.nb
-                s.sp.done = done_base + k
-                g_pool_run(nt, nt, _task, &s, NULL, NULL)
-                if (tc - 1) % 2 == 0:  # the chunk's last state is in hbuf[0]
-                    memcpy(hb + hb_bytes, hb, <size_t>hb_bytes)
-                k += tc
-                if s.status != 0:
-                    break
-                if k < T and interruptible and interrupt_stop(&intr):
-                    break
-            g_hold_exit(hook)
-        interrupt_raise(&intr)
-        if s.status != 0:
-            raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
-                               f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")
-        h[...] = hbuf[1].reshape(B, H)
-        return -nt
-    # row blocks
-    if g_pool_run == NULL or nt <= 1 or B < 2 or 2.0 * B * s.gh * H < PARALLEL_MIN_FLOPS * 2:
-        nblocks = 1
+        nblocks = nt       # one task a thread, each claiming unit blocks step by step
     else:
-        nblocks = <int64_t>nt * g_blocks_per_thread
-        if nblocks * g_min_block_rows > B:
-            nblocks = nt
-        if nblocks > B:
-            nblocks = B
-    s.rows = (B + nblocks - 1) // nblocks
-    if s.rows > 4:
-        s.rows = (s.rows + 3) // 4 * 4   # the few-row kernel takes rows 4 at a time
-    nblocks = (B + s.rows - 1) // s.rows
-    scratch = cnp.PyArray_EMPTY(1, [B * s.gh], cnp.PyArray_TYPE(xw), 0)
+        # row blocks
+        if g_rt.pool_run == NULL or nt <= 1 or B < 2 or 2.0 * B * s.gh * H < PARALLEL_MIN_FLOPS * 2:
+            nblocks = 1
+        else:
+            nblocks = <int64_t>nt * g_blocks_per_thread
+            if nblocks * g_min_block_rows > B:
+                nblocks = nt
+            if nblocks > B:
+                nblocks = B
+        s.rows = (B + nblocks - 1) // nblocks
+        if s.rows > 4:
+            s.rows = (s.rows + 3) // 4 * 4   # the few-row kernel takes rows 4 at a time
+        nblocks = (B + s.rows - 1) // s.rows
+        scratch = cnp.PyArray_EMPTY(1, [B * s.gh], cnp.PyArray_TYPE(xw), 0)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     with nogil:
-        if g_hold_enter != NULL:
-            hook = g_hold_enter()
+        hook = runtime_hold(&g_rt)
+        # chunk k: steps [t0, t0 + tc); split: every chunk starts from hbuf[1]
+        # and has fresh claimed / done entries (those of its own steps)
         k = 0
         while k < T:
             tc = chunk if chunk < T - k else T - k
             t0 = k if not reverse else T - k - tc
             if tc < T:
                 _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
-            if nblocks > 1:
-                g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _task, &s, NULL, NULL)
-            else:
-                _task(&s, 0, 0)
+            if s.split:
+                s.sp.claimed = claimed_base + k * s.sp.nb
+                s.sp.done = done_base + k
+            runtime_run(&g_rt, nblocks, nt, _task, &s, NULL, NULL)
+            if s.split and (tc - 1) % 2 == 0:  # the chunk's last state is in hbuf[0]
+                memcpy(hb + hb_bytes, hb, <size_t>hb_bytes)
             k += tc
             if s.status != 0:
                 break
             if k < T and interruptible and interrupt_stop(&intr):
                 break
-        if g_hold_enter != NULL:
-            g_hold_exit(hook)
+        runtime_release(&g_rt, hook)
     interrupt_raise(&intr)
-    if s.status != 0:
-        raise RuntimeError(f"fastattn._rnn: the recurrence kernel rejected its arguments "
-                           f"(status {s.status}; B={B}, T={T}, H={H}, cell={cell})")
+    _check_status(s.status, "recurrence", B, T, H, -1, cell)
+    if s.split:
+        h[...] = hbuf[1].reshape(B, H)
+        return -nt
     return nblocks
 
 
@@ -445,7 +411,7 @@ cdef void _cell_task(void *vctx, int64_t t, int slot) noexcept nogil:
     else:
         rc = fa_rnn_cell_f64(&c.a, u0, u1, <double *>c.scratch + t * c.per)
     if rc != 0:
-        fa_rnn_store_status(&c.status, rc)
+        fa_store_status(&c.status, rc)
 
 
 def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, object bhh,
@@ -462,16 +428,14 @@ def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, 
     cdef int64_t B = cnp.PyArray_DIMS(x)[0]
     cdef int64_t nin = cnp.PyArray_DIMS(x)[1]
     cdef int64_t H = cnp.PyArray_DIMS(h0)[1]
-    cdef int G = fa_rnn_gates(cell)
+    cdef int G = _gates(cell)
     cdef int nt = n_threads if n_threads > 0 else 1
     cdef int64_t nblocks
     cdef void *hook = NULL
     cdef cnp.ndarray scratch
-    if G == 0:
-        raise ValueError(f"cell: unknown code {cell}")
     s.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
     s.a.cell = cell
-    s.a.simd = g_simd_active != NULL and g_simd_active() != 0
+    s.a.simd = runtime_simd(&g_rt)
     s.a.B = B
     s.a.H = H
     s.a.nin = nin
@@ -491,7 +455,7 @@ def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, 
     s.a.sgemm = <fa_sgemm_fn>sgemm
     s.a.dgemm = <fa_dgemm_fn>dgemm
     s.status = 0
-    if g_pool_run == NULL or nt <= 1 or 2.0 * B * G * H * (nin + H) < CELL_PARALLEL_MIN_FLOPS:
+    if g_rt.pool_run == NULL or nt <= 1 or 2.0 * B * G * H * (nin + H) < CELL_PARALLEL_MIN_FLOPS:
         nblocks = 1
     else:
         nblocks = <int64_t>nt * g_blocks_per_thread
@@ -507,15 +471,8 @@ def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, 
     scratch = cnp.PyArray_EMPTY(1, [nblocks * s.per], cnp.PyArray_TYPE(x), 0)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     with nogil:
-        if g_hold_enter != NULL:
-            hook = g_hold_enter()
-        if nblocks > 1:
-            g_pool_run(nblocks, nt if nt < nblocks else <int>nblocks, _cell_task, &s, NULL, NULL)
-        else:
-            _cell_task(&s, 0, 0)
-        if g_hold_enter != NULL:
-            g_hold_exit(hook)
-    if s.status != 0:
-        raise RuntimeError(f"fastattn._rnn: the cell kernel rejected its arguments "
-                           f"(status {s.status}; B={B}, H={H}, I={nin}, cell={cell})")
+        hook = runtime_hold(&g_rt)
+        runtime_run(&g_rt, nblocks, nt, _cell_task, &s, NULL, NULL)
+        runtime_release(&g_rt, hook)
+    _check_status(s.status, "cell", B, -1, H, nin, cell)
     return nblocks

@@ -15,8 +15,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport dgemm, sgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
-from fastattn._interrupt cimport (interrupt_raise, interrupt_state, interrupt_stop, on_thread,
-                                  thread_ident)
+from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
                               fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
@@ -260,12 +259,8 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
     a.score_f32 = NULL
     a.score_f64 = NULL
     cdef interrupt_state intr
-    intr.fired = 0
-    a.stop = NULL
-    a.stop_ctx = NULL
-    if on_thread(_main_ident):
-        a.stop = interrupt_stop
-        a.stop_ctx = &intr
+    a.stop = interrupt_arm(&intr, _main_ident)
+    a.stop_ctx = &intr if a.stop != NULL else NULL
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
         a.score_f32 = fa_additive_score_f32 if score_kind == SCORE_ADDITIVE else <fastattn_score_f32>score_fn
         with nogil:

@@ -24,23 +24,17 @@ import fastattn
 import fastattn.testing
 from fastattn import functional as F
 from fastattn.registry import UnknownSimilarityError
-from fastattn.similarity import ParamSpec, Similarity
+
+from test_similarity import NegSqDist
 
 N_THREADS = 8
 ROUNDS = 12          # each thread runs every job this many times (in shuffled order)
 
 
-class ConcNegSqDist(Similarity):
-    """A NumPy plugin: -gamma |q - k|^2."""
+class ConcNegSqDist(NegSqDist):
+    """test_similarity's NumPy plugin (-gamma |q - k|^2) under this file's own name."""
 
     name = "conc_neg_sq_dist"
-    params_spec = {"gamma": ParamSpec((), required=False, default=1.0)}
-    same_dims = True
-
-    def score(self, query, key, params):
-        qq = np.sum(query * query, axis=-1)[..., :, None]
-        kk = np.sum(key * key, axis=-1)[..., None, :]
-        return -params["gamma"] * (qq + kk - 2 * query @ np.swapaxes(key, -1, -2))
 
 
 def _as_tuple(r):

@@ -36,73 +36,59 @@ import fastattn
 import fastattn.testing
 from fastattn import _reference as R
 from fastattn.functional import PreparedAttention
-from fastattn.similarity import AdditiveSimilarity, ParamSpec, Similarity
+from fastattn.similarity import AdditiveSimilarity
 
-from conftest import allowed_matrix, assert_close, check_weights, make_layout, prop_settings, tol
-
-F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+from _props import (F32, F64, LAYOUTS_2D, LAYOUTS_ND, NegL1, assert_agree, assert_all_close,
+                    changed, check_causal_rows, check_float32_and_float64_agree,
+                    check_kv_permutation, check_row_constant_invariance, check_rows_unchanged, f32,
+                    lay, random_mask)
+from conftest import allowed_matrix, assert_close, check_weights, prop_settings
 
 
 # --------------------------------------------------------------------------
-# Similarities: the object, its parameters and the oracle's score function.
-
-class NegL1(Similarity):
-    """A NumPy plugin: ``-gamma * sum_c |q_c - k_c|`` (runs on the tiled path)."""
-
-    name = "props_neg_l1"
-    params_spec = {"gamma": ParamSpec((), required=False, default=1.0)}
-    same_dims = True
-
-    def score(self, query, key, params):
-        diff = np.abs(query[..., :, None, :] - key[..., None, :, :])
-        return -params["gamma"] * np.sum(diff, axis=-1)
-
-
-def _f32(a):
-    """float32-representable float64 values (so every dtype sees the same numbers)."""
-    return np.asarray(a, np.float64).astype(np.float32).astype(np.float64)
-
+# Similarities: the object (NegL1: tests/_props.py), its parameters and the
+# oracle's score function.
 
 def _params(sim, rng, d_q, d_k, d_a):
     """Parameters (float32-representable float64 arrays / floats) and the
     oracle's score function of those exact values."""
-    g = lambda *shape: _f32(rng.standard_normal(shape))  # noqa: E731
+    g = lambda *shape: f32(rng.standard_normal(shape))  # noqa: E731
     if sim == "dot":
         return None, lambda q, k: R.score_dot(q, k)
     if sim == "scaled_dot":
         if rng.random() < 0.5:
             return None, lambda q, k: R.score_dot(q, k, 1.0 / math.sqrt(q.shape[-1]))
-        s = float(_f32(rng.uniform(0.1, 1.0)))
+        s = float(f32(rng.uniform(0.1, 1.0)))
         return {"scale": s}, lambda q, k: R.score_dot(q, k, s)
     if sim == "general":
-        P = {"W": _f32(g(d_q, d_k) / (d_q * d_k) ** 0.25)}
+        P = {"W": f32(g(d_q, d_k) / (d_q * d_k) ** 0.25)}
         if rng.random() < 0.5:
-            P["scale"] = float(_f32(rng.uniform(0.2, 2.0)))
+            P["scale"] = float(f32(rng.uniform(0.2, 2.0)))
         return P, lambda q, k: R.score_general(q, k, P["W"], P.get("scale", 1.0))
     if sim in ("additive", "additive_normalize"):
-        P = {"W_q": _f32(g(d_a, d_q) / math.sqrt(d_q)), "W_k": _f32(g(d_a, d_k) / math.sqrt(d_k)),
+        P = {"W_q": f32(g(d_a, d_q) / math.sqrt(d_q)), "W_k": f32(g(d_a, d_k) / math.sqrt(d_k)),
              "v": g(d_a)}
         if rng.random() < 0.5:
-            P["b"] = _f32(0.5 * g(d_a))
+            P["b"] = f32(0.5 * g(d_a))
         v = P["v"]
         if sim == "additive_normalize":
-            P["g"] = float(_f32(rng.uniform(0.5, 3.0)))
+            P["g"] = float(f32(rng.uniform(0.5, 3.0)))
             v = P["g"] * v / np.linalg.norm(v)
         return P, lambda q, k: R.score_additive(q, k, P["W_q"], P["W_k"], v, P.get("b"))
     if sim == "concat":
-        P = {"W": _f32(g(d_a, d_q + d_k) / math.sqrt(d_q + d_k)), "v": g(d_a)}
+        P = {"W": f32(g(d_a, d_q + d_k) / math.sqrt(d_q + d_k)), "v": g(d_a)}
         if rng.random() < 0.5:
-            P["b"] = _f32(0.5 * g(d_a))
+            P["b"] = f32(0.5 * g(d_a))
         return P, lambda q, k: R.score_concat(q, k, P["W"], P["v"], P.get("b"))
     if sim == "cosine":
-        P = {"beta": float(_f32(rng.uniform(0.5, 5.0)))} if rng.random() < 0.7 else None
+        P = {"beta": float(f32(rng.uniform(0.5, 5.0)))} if rng.random() < 0.7 else None
         beta = 1.0 if P is None else P["beta"]
         return P, lambda q, k: R.score_cosine(q, k, beta)
     if sim == "numpy_plugin":
-        P = {"gamma": float(_f32(rng.uniform(0.05, 0.5)))}
+        P = {"gamma": float(f32(rng.uniform(0.05, 0.5)))}
         return P, lambda q, k: R.score_neg_l1(q, k, P["gamma"])
     if sim == "compiled":
-        P = {"gamma": float(_f32(rng.uniform(0.05, 0.3)))}
+        P = {"gamma": float(f32(rng.uniform(0.05, 0.3)))}
         return P, lambda q, k: R.score_neg_sq_dist(q, k, P["gamma"])
     raise AssertionError(sim)
 
@@ -134,20 +120,6 @@ def _sim_arg(sim):
 # --------------------------------------------------------------------------
 # Problems
 
-LAYOUTS_2D = ("C", "strided", "padded", "readonly", "fortran")
-LAYOUTS_ND = LAYOUTS_2D + ("transposed", "flipped_batch")
-
-
-def lay(a, layout, dtype):
-    """``a`` (float64 values) in ``dtype`` with the given memory layout."""
-    a = np.asarray(a).astype(dtype)
-    if layout == "fortran":
-        return np.asfortranarray(a)
-    if layout in ("transposed", "flipped_batch") and a.ndim < 3:
-        layout = "C"
-    return make_layout(a, layout)
-
-
 @st.composite
 def batch_shapes(draw, small):
     """(query batch, key/value batch, broadcast batch) leading dims."""
@@ -178,20 +150,16 @@ def problems(draw, op, *, causal=None, mask_kinds=("none", "bool", "float")):
     dv = draw(st.integers(1, 6))
     d_a = draw(st.integers(1, 12))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = _f32(rng.standard_normal(bq + (Lq, d)) / (math.sqrt(d) if sim == "dot" else 1.0))
-    k = _f32(rng.standard_normal(bk + (Lk, d_k)))
-    v = _f32(rng.standard_normal(bk + (Lk, dv)))
+    q = f32(rng.standard_normal(bq + (Lq, d)) / (math.sqrt(d) if sim == "dot" else 1.0))
+    k = f32(rng.standard_normal(bk + (Lk, d_k)))
+    v = f32(rng.standard_normal(bk + (Lk, dv)))
     kind = draw(st.sampled_from(mask_kinds))
     m = None
     if kind != "none":
         mshape = draw(st.sampled_from(["full", "2d", "keys", "batch_keys"]))
         shape = {"full": full + (Lq, Lk), "2d": (Lq, Lk), "keys": (1, Lk),
                  "batch_keys": full + (1, Lk)}[mshape]
-        if kind == "bool":
-            m = rng.random(shape) < draw(st.sampled_from([0.1, 0.5, 0.9]))
-        else:
-            m = _f32(rng.standard_normal(shape))
-            m[rng.random(shape) < 0.25] = -np.inf
+        m = random_mask(draw, rng, kind, shape, [0.1, 0.5, 0.9])
     is_causal = draw(st.booleans()) if causal is None else causal
     if op.startswith("prepared/"):
         is_causal = False
@@ -259,22 +227,6 @@ def allowed(c):
     return np.broadcast_to(a, c["batch"] + (c["Lq"], c["Lk"]))
 
 
-def assert_agree(a, b, dtype, factor=2.0, atol_scale=1.0):
-    """Two results that are each within the tolerance of the exact one."""
-    rtol, atol = tol(dtype)
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
-    np.testing.assert_allclose(a, b, rtol=factor * rtol, atol=factor * atol * atol_scale * scale)
-
-
-def _changed(rng, a, index):
-    """A copy of ``a`` with new values (|x| ~ 3) at ``index``."""
-    a = a.copy()
-    a[index] = _f32(3.0 * rng.standard_normal(a[index].shape))
-    return a
-
-
 def _forbid(m, rows, cols, Lq, Lk):
     """A copy of the mask (made when there is none) with [rows, cols] forbidden."""
     if m is None:
@@ -297,9 +249,7 @@ def test_matches_oracle_and_weights_are_distributions(op, data):
     out, w = run(c, weights=True)
     ref_o, ref_w = oracle(c)
     dt = c["dtype"]
-    assert out.dtype == dt and w.dtype == dt
-    assert_close(out, ref_o, dt)
-    assert_close(w, ref_w, dt)
+    assert_all_close((out, w), (ref_o, ref_w), dt)
     ok = allowed(c)
     check_weights(w, ok, dt)
     fully = ~ok.any(-1)
@@ -314,21 +264,7 @@ def test_matches_oracle_and_weights_are_distributions(op, data):
 def test_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
     """A float mask plus a per-row constant gives the same output and weights."""
     c = data.draw(problems(op))
-    shape = c["batch"] + (c["Lq"], c["Lk"])
-    m = c["m"]
-    if m is None:
-        base = np.zeros(shape)
-    elif m.dtype == np.bool_:
-        base = np.where(np.broadcast_to(m, shape), 0.0, -np.inf)
-    else:
-        base = np.broadcast_to(m, shape).copy()
-    shift = _f32(c["rng"].uniform(-c_max, c_max, c["batch"] + (c["Lq"], 1)))
-    a, wa = run(dict(c, m=base), weights=True)
-    b, wb = run(dict(c, m=base + shift), weights=True)
-    # |shift| costs float32 rounding of the shifted scores (eps * c_max each)
-    s = max(1.0, c_max / 8.0) if c["dtype"] == F32 else 1.0
-    assert_agree(b, a, c["dtype"], atol_scale=s)
-    assert_agree(wb, wa, c["dtype"], atol_scale=s)
+    wa, wb = check_row_constant_invariance(run, c, c["batch"] + (c["Lq"], c["Lk"]), c_max)
     np.testing.assert_array_equal(wa == 0, wb == 0)
 
 
@@ -338,7 +274,7 @@ def test_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
 def test_dot_family_invariant_to_a_vector_added_to_every_key(op, data):
     """q . (k_j + u) = q . k_j + q . u: a per-row constant, so nothing changes."""
     c = data.draw(problems(op))
-    u = _f32(c["rng"].standard_normal(c["k"].shape[-1]))
+    u = f32(c["rng"].standard_normal(c["k"].shape[-1]))
     a = run(c)
     b = run(dict(c, k=c["k"] + u))
     assert_agree(b, a, c["dtype"], atol_scale=4.0 if c["dtype"] == F32 else 1.0)
@@ -349,13 +285,7 @@ def test_dot_family_invariant_to_a_vector_added_to_every_key(op, data):
 @given(data=st.data())
 def test_key_value_permutation_invariance(op, data):
     c = data.draw(problems(op, causal=False))
-    perm = c["rng"].permutation(c["Lk"])
-    m = c["m"]
-    m2 = None if m is None else (m[..., perm] if m.shape[-1] == c["Lk"] else m)
-    a, wa = run(c, weights=True)
-    b, wb = run(dict(c, k=c["k"][..., perm, :], v=c["v"][..., perm, :], m=m2), weights=True)
-    assert_agree(b, a, c["dtype"])
-    assert_agree(wb, wa[..., perm], c["dtype"])
+    check_kv_permutation(run, c)
 
 
 @pytest.mark.parametrize("op", CAUSAL_OPS)
@@ -365,19 +295,7 @@ def test_causal_rows_do_not_see_later_keys(op, data, weights):
     """Rows whose causal limit is before key t are bit-for-bit unchanged when
     keys and values from t on change."""
     c = data.draw(problems(op, causal=True))
-    Lq, Lk = c["Lq"], c["Lk"]
-    t = data.draw(st.integers(0, Lk - 1))
-    off = 0 if c["align"] == "top_left" else Lk - Lq
-    n = min(Lq, max(0, t - off))  # rows r with r + off < t
-    rng = c["rng"]
-    c2 = dict(c, k=_changed(rng, c["k"], (Ellipsis, slice(t, None), slice(None))),
-              v=_changed(rng, c["v"], (Ellipsis, slice(t, None), slice(None))))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(wa[..., :n, :], wb[..., :n, :])
-    np.testing.assert_array_equal(a[..., :n, :], b[..., :n, :])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    check_causal_rows(run, oracle, c, data.draw(st.integers(0, c["Lk"] - 1)), weights)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -393,14 +311,9 @@ def test_masked_keys_have_no_influence(op, data, weights):
     c = dict(c, m=_forbid(c["m"], rows, cols, Lq, Lk))
     blind = ~allowed(c)[..., cols].any(-1)  # (batch, Lq): rows that see none of cols
     assert blind.any()
-    c2 = dict(c, k=_changed(rng, c["k"], (Ellipsis, cols, slice(None))),
-              v=_changed(rng, c["v"], (Ellipsis, cols, slice(None))))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(wa[blind], wb[blind])
-    np.testing.assert_array_equal(a[blind], b[blind])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    c2 = dict(c, k=changed(rng, c["k"], (Ellipsis, cols, slice(None))),
+              v=changed(rng, c["v"], (Ellipsis, cols, slice(None))))
+    check_rows_unchanged(run, oracle, c, c2, weights, blind)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -410,11 +323,7 @@ def test_float32_and_float64_agree(op, data):
     """The same (float32-representable) inputs in both dtypes: results within
     the float32 tolerance of each other; each keeps its dtype."""
     c = data.draw(problems(op))
-    o32, w32 = run(c, weights=True, dtype=F32)
-    o64, w64 = run(c, weights=True, dtype=F64)
-    assert o32.dtype == F32 and o64.dtype == F64
-    assert_agree(o32, o64, F32, factor=1.0)
-    assert_agree(w32, w64, F32, factor=1.0)
+    check_float32_and_float64_agree(lambda dt: run(c, weights=True, dtype=dt))
     s32, s64 = run(c, dtype=F32), run(c, dtype=F64)
     assert_agree(s32, s64, F32, factor=1.0)
 

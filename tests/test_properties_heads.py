@@ -24,9 +24,11 @@ import fastattn
 from fastattn import _reference as R
 from fastattn.layers import MultiHeadAttention
 
-from conftest import assert_close, check_weights, prop_settings
+from _props import (F32, F64, LAYOUTS_ND, assert_agree, assert_all_close, check_causal_rows,
+                    check_float32_and_float64_agree, check_kv_permutation, check_padded_keys,
+                    check_row_constant_invariance, f32, lay, random_mask)
+from conftest import allowed_matrix, assert_close, check_weights, prop_settings
 from test_multihead import make_params, packed
-from test_properties_all import F32, F64, LAYOUTS_ND, _f32, assert_agree, lay
 
 OPS = ["functional", "layer"]
 
@@ -49,12 +51,12 @@ def problems(draw, op, *, causal=None, bias=None, self_attn=None, key_mask=None)
         vdim = draw(st.sampled_from([kdim, draw(st.integers(1, 7))]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     has_bias = draw(st.booleans()) if bias is None else bias
-    P = {n: _f32(a) for n, a in make_params(rng, E, H, Hkv=Hkv, kdim=kdim, vdim=vdim,
+    P = {n: f32(a) for n, a in make_params(rng, E, H, Hkv=Hkv, kdim=kdim, vdim=vdim,
                                            bias=has_bias, dtype=np.float64).items()}
     bshape = (B,) if batched else ()
-    x = _f32(rng.standard_normal(bshape + (Lq, E)))
-    kv = x if is_self else _f32(rng.standard_normal(bshape + (Lk, kdim or E)))
-    val = kv if vdim == kdim else _f32(rng.standard_normal(bshape + (Lk, vdim)))
+    x = f32(rng.standard_normal(bshape + (Lq, E)))
+    kv = x if is_self else f32(rng.standard_normal(bshape + (Lk, kdim or E)))
+    val = kv if vdim == kdim else f32(rng.standard_normal(bshape + (Lk, vdim)))
     mkind = draw(st.sampled_from(["none", "bool", "float"]))
     m = None
     if mkind != "none":
@@ -62,12 +64,7 @@ def problems(draw, op, *, causal=None, bias=None, self_attn=None, key_mask=None)
         shapes = [(Lq, Lk), (H, Lq, Lk), (1, Lk)]
         if batched:
             shapes += [(B, 1, Lq, Lk), full, (B, 1, 1, Lk)]
-        shape = draw(st.sampled_from(shapes))
-        if mkind == "bool":
-            m = rng.random(shape) < draw(st.sampled_from([0.2, 0.6, 0.9]))
-        else:
-            m = _f32(rng.standard_normal(shape))
-            m[rng.random(shape) < 0.25] = -np.inf
+        m = random_mask(draw, rng, mkind, draw(st.sampled_from(shapes)), [0.2, 0.6, 0.9])
     km = None
     if key_mask is None and draw(st.booleans()) or key_mask:
         km = rng.random(bshape + (Lk,)) < draw(st.sampled_from([0.3, 0.8, 1.0]))
@@ -127,31 +124,10 @@ def oracle(c, **over):
 
 def allowed(c):
     """(B, H, Lq, Lk) 'may attend' (unbatched: (H, Lq, Lk))."""
-    H, Lq, Lk = c["H"], c["Lq"], c["Lk"]
-    full = ((c["B"],) if c["batched"] else ()) + (H, Lq, Lk)
-    a = np.ones(full, bool)
-    if c["m"] is not None:
-        m = c["m"]
-        a = a & (m if m.dtype == np.bool_ else m != -np.inf)
+    a = allowed_matrix(c["Lq"], c["Lk"], c["m"], c["causal"], c["align"])
     if c["km"] is not None:
         a = a & c["km"][..., None, None, :]
-    if c["causal"]:
-        off = 0 if c["align"] == "top_left" else Lk - Lq
-        a = a & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
-    return a
-
-
-def _changed(rng, a, index):
-    a = a.copy()
-    a[index] = _f32(3.0 * rng.standard_normal(a[index].shape))
-    return a
-
-
-def _with_kv(c, k, v):
-    """The case with new key and value inputs (value follows the key when shared)."""
-    if c["self"]:
-        return dict(c, q=k, k=k, v=k)
-    return dict(c, k=k, v=k if c["v"] is c["k"] else v)
+    return np.broadcast_to(a, ((c["B"],) if c["batched"] else ()) + (c["H"], c["Lq"], c["Lk"]))
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -162,9 +138,7 @@ def test_matches_oracle_and_weights_are_distributions(op, data):
     dt = c["dtype"]
     out, w = run(c, weights=True)
     r_out, r_w = oracle(c)
-    assert out.dtype == dt and w.dtype == dt
-    assert_close(out, r_out, dt)
-    assert_close(w, r_w, dt)
+    assert_all_close((out, w), (r_out, r_w), dt)
     ok = allowed(c)
     check_weights(w, ok, dt)
     none = ~ok.any(-1).any(-2)  # (B, Lq): no head may attend to anything
@@ -182,19 +156,7 @@ def test_matches_oracle_and_weights_are_distributions(op, data):
 def test_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
     c = data.draw(problems(op))
     full = ((c["B"],) if c["batched"] else ()) + (c["H"], c["Lq"], c["Lk"])
-    m = c["m"]
-    if m is None:
-        base = np.zeros(full)
-    elif m.dtype == np.bool_:
-        base = np.where(np.broadcast_to(m, full), 0.0, -np.inf)
-    else:
-        base = np.broadcast_to(m, full).copy()
-    shift = _f32(c["rng"].uniform(-c_max, c_max, full[:-1] + (1,)))
-    a, wa = run(dict(c, m=base), weights=True)
-    b, wb = run(dict(c, m=base + shift), weights=True)
-    s = max(1.0, c_max / 8.0) if c["dtype"] == F32 else 1.0
-    assert_agree(b, a, c["dtype"], atol_scale=s)
-    assert_agree(wb, wa, c["dtype"], atol_scale=s)
+    check_row_constant_invariance(run, c, full, c_max)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -203,7 +165,7 @@ def test_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
 def test_key_bias_changes_nothing(op, data):
     """Every key of a head is shifted by the same b_key slice: a per-row constant."""
     c = data.draw(problems(op, bias=True))
-    P = dict(c["P"], b_key=_f32(c["P"]["b_key"] + c["rng"].standard_normal(c["P"]["b_key"].shape)))
+    P = dict(c["P"], b_key=f32(c["P"]["b_key"] + c["rng"].standard_normal(c["P"]["b_key"].shape)))
     a, b = run(c), run(dict(c, P=P))
     assert_agree(b, a, c["dtype"], atol_scale=4.0 if c["dtype"] == F32 else 1.0)
 
@@ -214,19 +176,7 @@ def test_key_bias_changes_nothing(op, data):
 def test_key_value_permutation(op, data):
     """Cross-attention: the output is unchanged; self-attention: its rows are permuted."""
     c = data.draw(problems(op, causal=False))
-    perm = c["rng"].permutation(c["Lk"])
-    m, km = c["m"], c["km"]
-    if m is not None and m.shape[-1] == c["Lk"]:
-        m = m[..., perm]
-    if c["self"] and m is not None and m.shape[-2] == c["Lq"]:
-        m = m[..., perm, :]
-    km = None if km is None else km[..., perm]
-    c2 = dict(_with_kv(c, c["k"][..., perm, :], c["v"][..., perm, :]), m=m, km=km)
-    (a, wa), (b, wb) = run(c, weights=True), run(c2, weights=True)
-    if c["self"]:
-        a, wa = a[..., perm, :], wa[..., perm, :]
-    assert_agree(b, a, c["dtype"])
-    assert_agree(wb, wa[..., perm], c["dtype"])
+    check_kv_permutation(run, c)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -234,18 +184,7 @@ def test_key_value_permutation(op, data):
 @given(data=st.data(), weights=st.booleans())
 def test_causal_rows_do_not_see_later_keys(op, data, weights):
     c = data.draw(problems(op, causal=True))
-    Lq, Lk = c["Lq"], c["Lk"]
-    t = data.draw(st.integers(0, Lk - 1))
-    off = 0 if c["align"] == "top_left" else Lk - Lq
-    n = min(Lq, max(0, t - off))
-    idx = (Ellipsis, slice(t, None), slice(None))
-    c2 = _with_kv(c, _changed(c["rng"], c["k"], idx), _changed(c["rng"], c["v"], idx))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(wa[..., :n, :], wb[..., :n, :])
-    np.testing.assert_array_equal(a[..., :n, :], b[..., :n, :])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    check_causal_rows(run, oracle, c, data.draw(st.integers(0, c["Lk"] - 1)), weights)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -255,18 +194,8 @@ def test_padded_keys_have_no_influence(op, data, weights):
     """Keys/values where key_mask is False: any values, the same result bit-for-bit
     (self-attention: for the rows whose query did not change)."""
     c = data.draw(problems(op, key_mask=True))
-    km = c["km"].copy()
-    km[..., c["rng"].integers(0, c["Lk"])] = False
-    c = dict(c, km=km)
-    pad = ~km
-    c2 = _with_kv(c, _changed(c["rng"], c["k"], pad), _changed(c["rng"], c["v"], pad))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    rows = km if c["self"] else np.ones(km.shape[:-1] + (c["Lq"],), bool)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(np.moveaxis(wa, -3, -1)[rows], np.moveaxis(wb, -3, -1)[rows])
-    np.testing.assert_array_equal(a[rows], b[rows])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    # the weights (..., H, Lq, Lk) with the heads last, so that rows index them
+    check_padded_keys(run, oracle, c, weights, weights_rows=lambda w: np.moveaxis(w, -3, -1))
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -274,8 +203,4 @@ def test_padded_keys_have_no_influence(op, data, weights):
 @given(data=st.data())
 def test_float32_and_float64_agree(op, data):
     c = data.draw(problems(op))
-    o32, w32 = run(c, weights=True, dtype=F32)
-    o64, w64 = run(c, weights=True, dtype=F64)
-    assert o32.dtype == F32 and o64.dtype == F64
-    assert_agree(o32, o64, F32, factor=1.0)
-    assert_agree(w32, w64, F32, factor=1.0)
+    check_float32_and_float64_agree(lambda dt: run(c, weights=True, dtype=dt))

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 from fastattn import _reference as R
 from fastattn.layers import Attention, AttentionDecoder, SelfAttention
 
-from conftest import assert_close, check_weights, prop_settings
+from _props import (F32, F64, assert_agree, assert_all_close, check_causal_rows,
+                    check_float32_and_float64_agree, check_kv_permutation, check_padded_keys,
+                    check_row_constant_invariance, f32, random_mask)
+from conftest import allowed_matrix, assert_close, check_weights, prop_settings
 from test_layers_attention import SIMS, ref_score
-from test_properties_all import F32, F64, _f32, assert_agree
 
 OPS = [f"attention/{s}" for s in SIMS] + [f"self/{s}" for s in SIMS]
 
@@ -31,7 +33,7 @@ OPS = [f"attention/{s}" for s in SIMS] + [f"self/{s}" for s in SIMS]
 def _load(layer, rng):
     """Non-trivial float32-representable parameters (biases start at zero)."""
     sd = layer.state_dict()
-    new = {k: _f32(np.asarray(v, np.float64) + 0.3 * rng.standard_normal(np.shape(v)))
+    new = {k: f32(np.asarray(v, np.float64) + 0.3 * rng.standard_normal(np.shape(v)))
            for k, v in sd.items()}
     layer.load_state_dict(new)
     return new
@@ -55,18 +57,14 @@ def problems(draw, op, *, causal=None, key_mask=None):
                bias=draw(st.booleans()), seed=0)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     bs = (B,) if batched else ()
-    q = _f32(rng.standard_normal(bs + (Lq, qd)))
-    k = q if is_self else _f32(rng.standard_normal(bs + (Lk, kd)))
-    v = k if is_self or (vd == kd and draw(st.booleans())) else _f32(rng.standard_normal(bs + (Lk, vd)))
+    q = f32(rng.standard_normal(bs + (Lq, qd)))
+    k = q if is_self else f32(rng.standard_normal(bs + (Lk, kd)))
+    v = k if is_self or (vd == kd and draw(st.booleans())) else f32(rng.standard_normal(bs + (Lk, vd)))
     m = None
     mkind = draw(st.sampled_from(["none", "bool", "float"]))
     if mkind != "none":
         shape = draw(st.sampled_from([(Lq, Lk), (1, Lk)] + ([(B, Lq, Lk)] if batched else [])))
-        if mkind == "bool":
-            m = rng.random(shape) < draw(st.sampled_from([0.2, 0.7, 0.95]))
-        else:
-            m = _f32(rng.standard_normal(shape))
-            m[rng.random(shape) < 0.25] = -np.inf
+        m = random_mask(draw, rng, mkind, shape, [0.2, 0.7, 0.95])
     km = None
     if key_mask or key_mask is None and draw(st.booleans()):
         km = rng.random(bs + (Lk,)) < draw(st.sampled_from([0.4, 0.9, 1.0]))
@@ -122,26 +120,8 @@ def oracle(c):
 
 
 def allowed(c):
-    a = np.ones(((c["B"],) if c["batched"] else ()) + (c["Lq"], c["Lk"]), bool)
-    m = _mask(c)
-    if m is not None:
-        a = a & (m if m.dtype == np.bool_ else m != -np.inf)
-    if c["causal"]:
-        off = 0 if c["align"] == "top_left" else c["Lk"] - c["Lq"]
-        a = a & (np.arange(c["Lk"])[None, :] <= np.arange(c["Lq"])[:, None] + off)
-    return a
-
-
-def _changed(rng, a, index):
-    a = a.copy()
-    a[index] = _f32(3.0 * rng.standard_normal(a[index].shape))
-    return a
-
-
-def _with_kv(c, k, v):
-    if c["self"]:
-        return dict(c, q=k, k=k, v=k)
-    return dict(c, k=k, v=k if c["v"] is c["k"] else v)
+    a = allowed_matrix(c["Lq"], c["Lk"], _mask(c), c["causal"], c["align"])
+    return np.broadcast_to(a, ((c["B"],) if c["batched"] else ()) + (c["Lq"], c["Lk"]))
 
 
 # --------------------------------------------------------------------------
@@ -155,9 +135,7 @@ def test_layer_matches_oracle_and_weights_are_distributions(op, data):
     dt = c["dtype"]
     out, w = run(c, weights=True)
     r_out, r_w = oracle(c)
-    assert out.dtype == dt and w.dtype == dt
-    assert_close(out, r_out, dt)
-    assert_close(w, r_w, dt)
+    assert_all_close((out, w), (r_out, r_w), dt)
     ok = allowed(c)
     check_weights(w, ok, dt)
     assert np.all(out[~ok.any(-1)] == 0)
@@ -170,14 +148,7 @@ def test_layer_matches_oracle_and_weights_are_distributions(op, data):
 def test_layer_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
     c = data.draw(problems(op))
     shape = ((c["B"],) if c["batched"] else ()) + (c["Lq"], c["Lk"])
-    m = c["m"]
-    base = (np.zeros(shape) if m is None else np.where(np.broadcast_to(m, shape), 0.0, -np.inf)
-            if m.dtype == np.bool_ else np.broadcast_to(m, shape).copy())
-    shift = _f32(c["rng"].uniform(-c_max, c_max, shape[:-1] + (1,)))
-    (a, wa), (b, wb) = run(dict(c, m=base), weights=True), run(dict(c, m=base + shift), weights=True)
-    s = max(1.0, c_max / 8.0) if c["dtype"] == F32 else 1.0
-    assert_agree(b, a, c["dtype"], atol_scale=s)
-    assert_agree(wb, wa, c["dtype"], atol_scale=s)
+    check_row_constant_invariance(run, c, shape, c_max)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -186,19 +157,7 @@ def test_layer_invariant_to_a_constant_added_to_each_score_row(op, data, c_max):
 def test_layer_key_value_permutation(op, data):
     """Attention: unchanged output; SelfAttention (not causal): rows permuted."""
     c = data.draw(problems(op, causal=False))
-    perm = c["rng"].permutation(c["Lk"])
-    m = c["m"]
-    if m is not None:
-        m = m[..., perm]
-        if c["self"] and m.shape[-2] == c["Lq"]:
-            m = m[..., perm, :]
-    km = None if c["km"] is None else c["km"][..., perm]
-    c2 = dict(_with_kv(c, c["k"][..., perm, :], c["v"][..., perm, :]), m=m, km=km)
-    (a, wa), (b, wb) = run(c, weights=True), run(c2, weights=True)
-    if c["self"]:
-        a, wa = a[..., perm, :], wa[..., perm, :]
-    assert_agree(b, a, c["dtype"])
-    assert_agree(wb, wa[..., perm], c["dtype"])
+    check_kv_permutation(run, c)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -206,18 +165,7 @@ def test_layer_key_value_permutation(op, data):
 @given(data=st.data(), weights=st.booleans())
 def test_layer_causal_rows_do_not_see_later_keys(op, data, weights):
     c = data.draw(problems(op, causal=True))
-    Lq, Lk = c["Lq"], c["Lk"]
-    t = data.draw(st.integers(0, Lk - 1))
-    off = 0 if c["align"] == "top_left" else Lk - Lq
-    n = min(Lq, max(0, t - off))
-    idx = (Ellipsis, slice(t, None), slice(None))
-    c2 = _with_kv(c, _changed(c["rng"], c["k"], idx), _changed(c["rng"], c["v"], idx))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(wa[..., :n, :], wb[..., :n, :])
-    np.testing.assert_array_equal(a[..., :n, :], b[..., :n, :])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    check_causal_rows(run, oracle, c, data.draw(st.integers(0, c["Lk"] - 1)), weights)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -225,18 +173,7 @@ def test_layer_causal_rows_do_not_see_later_keys(op, data, weights):
 @given(data=st.data(), weights=st.booleans())
 def test_layer_padded_keys_have_no_influence(op, data, weights):
     c = data.draw(problems(op, key_mask=True))
-    km = c["km"].copy()
-    km[..., c["rng"].integers(0, c["Lk"])] = False
-    c = dict(c, km=km)
-    pad = ~km
-    c2 = _with_kv(c, _changed(c["rng"], c["k"], pad), _changed(c["rng"], c["v"], pad))
-    a, b = run(c, weights=weights), run(c2, weights=weights)
-    rows = km if c["self"] else np.ones(km.shape[:-1] + (c["Lq"],), bool)
-    if weights:
-        (a, wa), (b, wb) = a, b
-        np.testing.assert_array_equal(wa[rows], wb[rows])
-    np.testing.assert_array_equal(a[rows], b[rows])
-    assert_close(b, oracle(c2)[0], c["dtype"])
+    check_padded_keys(run, oracle, c, weights)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -244,11 +181,7 @@ def test_layer_padded_keys_have_no_influence(op, data, weights):
 @given(data=st.data())
 def test_layer_float32_and_float64_agree(op, data):
     c = data.draw(problems(op))
-    o32, w32 = run(c, weights=True, dtype=F32)
-    o64, w64 = run(c, weights=True, dtype=F64)
-    assert o32.dtype == F32 and o64.dtype == F64
-    assert_agree(o32, o64, F32, factor=1.0)
-    assert_agree(w32, w64, F32, factor=1.0)
+    check_float32_and_float64_agree(lambda dt: run(c, weights=True, dtype=dt))
 
 
 # --------------------------------------------------------------------------
@@ -274,15 +207,15 @@ def decoder_problems(draw, style, *, all_real=False):
     dec = AttentionDecoder(VOCAB, E, H, D, style=style, similarity=sim, attn_dim=d_a, cell=cell,
                            num_layers=L, seed=0, dtype=np.float64)
     params = _load(dec, rng)
-    mem = _f32(rng.standard_normal((B, S, D)))
+    mem = f32(rng.standard_normal((B, S, D)))
     mask = None
     if not all_real and draw(st.booleans()):
         mask = rng.random((B, S)) < draw(st.sampled_from([0.5, 0.9]))
         if draw(st.booleans()):
             mask[rng.integers(0, B)] = False  # a source with no real token
     tgt = rng.integers(0, VOCAB, (B, T))
-    h = _f32(0.5 * rng.standard_normal((L, B, H)))
-    state = (h, _f32(0.5 * rng.standard_normal((L, B, H)))) if cell == "lstm" else h
+    h = f32(0.5 * rng.standard_normal((L, B, H)))
+    state = (h, f32(0.5 * rng.standard_normal((L, B, H)))) if cell == "lstm" else h
     return dict(style=style, sim=sim, cell=cell, H=H, params=params, mem=mem, mask=mask, tgt=tgt,
                 state=state, rng=rng, dtype=draw(st.sampled_from([F32, F64])), L=L, D=D, E=E, d_a=d_a)
 
@@ -328,9 +261,7 @@ def test_decoder_matches_oracle_and_alignments_are_distributions(style, data):
     dt = c["dtype"]
     logits, al = run_decoder(c)
     r_logits, r_al = decoder_oracle(c)
-    assert logits.dtype == dt and al.dtype == dt
-    assert_close(logits, r_logits, dt)
-    assert_close(al, r_al, dt)
+    assert_all_close((logits, al), (r_logits, r_al), dt)
     check_weights(al, _real(c)[:, None, :], dt)
 
 
@@ -357,7 +288,7 @@ def test_decoder_padded_memory_has_no_influence(style, data):
     mask[:, c["rng"].integers(0, mask.shape[1])] = False
     c = dict(c, mask=mask)
     mem2 = c["mem"].copy()
-    mem2[~mask] = _f32(3.0 * c["rng"].standard_normal(mem2[~mask].shape))
+    mem2[~mask] = f32(3.0 * c["rng"].standard_normal(mem2[~mask].shape))
     (la, aa), (lb, ab) = run_decoder(c), run_decoder(dict(c, mem=mem2))
     np.testing.assert_array_equal(la, lb)
     np.testing.assert_array_equal(aa, ab)
@@ -383,8 +314,4 @@ def test_decoder_steps_do_not_see_later_targets(style, data):
 @given(data=st.data())
 def test_decoder_float32_and_float64_agree(style, data):
     c = data.draw(decoder_problems(style))
-    l32, a32 = run_decoder(c, F32)
-    l64, a64 = run_decoder(c, F64)
-    assert l32.dtype == F32 and l64.dtype == F64
-    assert_agree(l32, l64, F32, factor=2.0)
-    assert_agree(a32, a64, F32, factor=2.0)
+    check_float32_and_float64_agree(lambda dt: run_decoder(c, dt), factor=2.0)

@@ -7,20 +7,10 @@ import pytest
 
 import fastattn
 from fastattn import _reference as R
-from fastattn.similarity import ParamSpec, Similarity
+from fastattn.similarity import Similarity
 
+from _props import F32, F64, NegL1
 from conftest import assert_close
-
-F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
-
-
-class NegL1(Similarity):
-    name = "props_neg_l1"
-    params_spec = {"gamma": ParamSpec((), required=False, default=1.0)}
-    same_dims = True
-
-    def score(self, query, key, params):
-        return -params["gamma"] * np.sum(np.abs(query[..., :, None, :] - key[..., None, :, :]), axis=-1)
 
 
 class _TransposedScores(Similarity):
