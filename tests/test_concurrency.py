@@ -28,7 +28,7 @@ from fastattn.registry import UnknownSimilarityError
 from test_similarity import NegSqDist
 
 N_THREADS = 8
-ROUNDS = 12          # each thread runs every job this many times (in shuffled order)
+ROUNDS = 20          # each thread runs every job this many times (in shuffled order): 3 000+ calls
 
 
 class ConcNegSqDist(NegSqDist):
