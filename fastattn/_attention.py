@@ -556,15 +556,8 @@ def _install_runtime() -> bool:
     """Hand _scores the C addresses of _kernels' worker pool and BLAS hold, so
     one process has one pool and one BLAS thread count (overlapping SDPA and
     additive calls used to restore each other's setting)."""
-    import ctypes
-
-    from . import _kernels
-
-    try:
-        lib = ctypes.CDLL(_kernels.__file__)
-        addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit")]
-    except (OSError, AttributeError):  # symbols not exported: _scores keeps its own
+    addrs = _threads.kernel_runtime_addresses(simd=False)
+    if addrs is None:  # symbols not exported: _scores keeps its own
         return False
     _scores.set_runtime(*addrs)
     return _scores.runtime_shared()

@@ -45,7 +45,6 @@ extension modules share them).
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import operator
 from typing import NamedTuple
@@ -68,12 +67,8 @@ __all__ = ["multi_head_attention"]
 
 def _install_runtime() -> bool:
     """Hand _proj the C addresses of _kernels' worker pool, BLAS hold and SIMD switch (at import)."""
-    try:
-        lib = ctypes.CDLL(_kernels.__file__)
-        addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit",
-                              "fa_simd_active")]
-    except (OSError, AttributeError):  # pragma: no cover - symbols not exported on this platform
+    addrs = _threads.kernel_runtime_addresses()
+    if addrs is None:  # pragma: no cover - symbols not exported on this platform
         return False
     _proj.set_runtime(*addrs)
     return _proj.runtime_installed()

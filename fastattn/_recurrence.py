@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _kernels, _rnn, _threads
+from . import _rnn, _threads
 from ._linear import _dtypes
 from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
 
@@ -36,16 +36,7 @@ def _ensure_runtime():
     global _runtime_done
     if _runtime_done:
         return
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL(_kernels.__file__)
-        addrs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit",
-                              "fa_simd_active")]
-    except (OSError, AttributeError):  # pragma: no cover - symbols not exported on this platform
-        addrs = [0, 0, 0, 0]
-    _rnn.set_runtime(*addrs)
+    _rnn.set_runtime(*(_threads.kernel_runtime_addresses() or (0, 0, 0, 0)))
     _threads.ensure_blas_hook()
     _runtime_done = True
 
