@@ -17,7 +17,7 @@ from libc.math cimport sqrt
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
-from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
+from fastattn._cargs cimport fa_sdpa_args, fill_layout, layout_bufs
 from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 cnp.import_array()
@@ -33,34 +33,6 @@ cdef extern from "fastattn.h" nogil:
                                  double*, int*, double*, double*, int*)
     ctypedef int (*fa_blas_set_threads_fn)(int)
     void fa_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
-    ctypedef struct fa_sdpa_args:
-        int nbatch
-        const int64_t *batch_shape
-        const int64_t *q_bs
-        const int64_t *k_bs
-        const int64_t *v_bs
-        const int64_t *o_bs
-        const int64_t *m_bs
-        const int64_t *w_bs
-        int64_t Lq, Lk, d, dv
-        int64_t ldq, ldk, ldv, ldo, ldm, ldw
-        const void *q
-        const void *k
-        const void *v
-        const void *mask
-        int mask_kind
-        int causal
-        int64_t causal_offset
-        double scale
-        void *out
-        void *weights
-        int64_t block_q
-        int64_t block_k
-        int path
-        int direct
-        int n_threads
-        int (*stop)(void *)
-        void *stop_ctx
     int fa_sdpa_f32(const fa_sdpa_args *a)
     int fa_sdpa_f64(const fa_sdpa_args *a)
     void fa_exp_f32(const float *x, float *y, int64_t n)
@@ -152,60 +124,9 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     all queries (its query dim has size 1).
     """
     cdef fa_sdpa_args a
-    cdef int64_t shape[32]
-    cdef int64_t qbs[32]
-    cdef int64_t kbs[32]
-    cdef int64_t vbs[32]
-    cdef int64_t obs[32]
-    cdef int64_t mbs[32]
-    cdef int64_t wbs[32]
-    cdef int nb = len(batch_shape)
-    cdef int i, rc
-    cdef cnp.ndarray m_arr, w_arr
-    for i in range(nb):
-        shape[i] = batch_shape[i]
-    a.nbatch = nb
-    a.batch_shape = shape
-    _batch_strides(q, nb, shape, qbs)
-    _batch_strides(k, nb, shape, kbs)
-    _batch_strides(v, nb, shape, vbs)
-    _batch_strides(out, nb, shape, obs)
-    a.q_bs = qbs
-    a.k_bs = kbs
-    a.v_bs = vbs
-    a.o_bs = obs
-    a.m_bs = mbs
-    a.w_bs = wbs
-    a.Lq = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 2]
-    a.d = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 1]
-    a.Lk = cnp.PyArray_DIMS(k)[cnp.PyArray_NDIM(k) - 2]
-    a.dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
-    a.ldq = _ld(q, a.d)
-    a.ldk = _ld(k, a.d)
-    a.ldv = _ld(v, a.dv)
-    a.ldo = _ld(out, a.dv)
-    a.q = cnp.PyArray_DATA(q)
-    a.k = cnp.PyArray_DATA(k)
-    a.v = cnp.PyArray_DATA(v)
-    a.out = cnp.PyArray_DATA(out)
-    a.mask_kind = mask_kind
-    a.mask = NULL
-    a.ldm = 0
-    if mask_kind != FA_MASK_NONE:
-        m_arr = <cnp.ndarray>mask
-        _batch_strides(m_arr, nb, shape, mbs)
-        a.mask = cnp.PyArray_DATA(m_arr)
-        if cnp.PyArray_DIMS(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] == 1:
-            a.ldm = 0
-        else:
-            a.ldm = cnp.PyArray_STRIDES(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] // cnp.PyArray_ITEMSIZE(m_arr)
-    a.weights = NULL
-    a.ldw = 0
-    if weights is not None:
-        w_arr = <cnp.ndarray>weights
-        _batch_strides(w_arr, nb, shape, wbs)
-        a.weights = cnp.PyArray_DATA(w_arr)
-        a.ldw = _ld(w_arr, a.Lk)
+    cdef layout_bufs lb
+    cdef int rc
+    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, batch_shape)
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale

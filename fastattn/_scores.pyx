@@ -15,6 +15,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport dgemm, sgemm
 
 from fastattn._buffers cimport batch_strides as _batch_strides, row_ld as _ld
+from fastattn._cargs cimport fa_tiled_args, fill_layout, layout_bufs
 from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
@@ -25,35 +26,6 @@ cnp.import_array()
 cdef extern from "fa_additive.h" nogil:
     int FA_OK, FA_ENOMEM, FA_EINVAL, FA_ESCORE, FA_ENONFINITE
     int FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD
-    ctypedef struct fa_tiled_args:
-        int nbatch
-        const int64_t *batch_shape
-        const int64_t *q_bs
-        const int64_t *k_bs
-        const int64_t *v_bs
-        const int64_t *o_bs
-        const int64_t *m_bs
-        const int64_t *w_bs
-        int64_t Lq, Lk, d, dv
-        int64_t ldq, ldk, ldv, ldo, ldm, ldw
-        const void *q
-        const void *k
-        const void *v
-        const void *mask
-        int mask_kind
-        int causal
-        int64_t causal_offset
-        void *out
-        void *weights
-        int64_t block_q, block_k
-        int n_threads
-        fastattn_score_f32 score_f32
-        fastattn_score_f64 score_f64
-        const void *score_params
-        int check_scores
-        int score_status
-        int (*stop)(void *)
-        void *stop_ctx
     ctypedef void (*fa_sgemm_fn)(char*, char*, int*, int*, int*, float*, float*, int*,
                                  float*, int*, float*, float*, int*)
     ctypedef void (*fa_dgemm_fn)(char*, char*, int*, int*, int*, double*, double*, int*,
@@ -194,60 +166,9 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
     entries of q's dtype).
     """
     cdef fa_tiled_args a
-    cdef int64_t shape[32]
-    cdef int64_t qbs[32]
-    cdef int64_t kbs[32]
-    cdef int64_t vbs[32]
-    cdef int64_t obs[32]
-    cdef int64_t mbs[32]
-    cdef int64_t wbs[32]
-    cdef int nb = len(batch_shape)
-    cdef int i, rc
-    cdef cnp.ndarray m_arr, w_arr
-    for i in range(nb):
-        shape[i] = batch_shape[i]
-    a.nbatch = nb
-    a.batch_shape = shape
-    _batch_strides(q, nb, shape, qbs)
-    _batch_strides(k, nb, shape, kbs)
-    _batch_strides(v, nb, shape, vbs)
-    _batch_strides(out, nb, shape, obs)
-    a.q_bs = qbs
-    a.k_bs = kbs
-    a.v_bs = vbs
-    a.o_bs = obs
-    a.m_bs = mbs
-    a.w_bs = wbs
-    a.Lq = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 2]
-    a.d = cnp.PyArray_DIMS(q)[cnp.PyArray_NDIM(q) - 1]
-    a.Lk = cnp.PyArray_DIMS(k)[cnp.PyArray_NDIM(k) - 2]
-    a.dv = cnp.PyArray_DIMS(v)[cnp.PyArray_NDIM(v) - 1]
-    a.ldq = _ld(q, a.d)
-    a.ldk = _ld(k, a.d)
-    a.ldv = _ld(v, a.dv)
-    a.ldo = _ld(out, a.dv)
-    a.q = cnp.PyArray_DATA(q)
-    a.k = cnp.PyArray_DATA(k)
-    a.v = cnp.PyArray_DATA(v)
-    a.out = cnp.PyArray_DATA(out)
-    a.mask_kind = mask_kind
-    a.mask = NULL
-    a.ldm = 0
-    if mask_kind != FA_MASK_NONE:
-        m_arr = <cnp.ndarray>mask
-        _batch_strides(m_arr, nb, shape, mbs)
-        a.mask = cnp.PyArray_DATA(m_arr)
-        if cnp.PyArray_DIMS(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] == 1:
-            a.ldm = 0
-        else:
-            a.ldm = cnp.PyArray_STRIDES(m_arr)[cnp.PyArray_NDIM(m_arr) - 2] // cnp.PyArray_ITEMSIZE(m_arr)
-    a.weights = NULL
-    a.ldw = 0
-    if weights is not None:
-        w_arr = <cnp.ndarray>weights
-        _batch_strides(w_arr, nb, shape, wbs)
-        a.weights = cnp.PyArray_DATA(w_arr)
-        a.ldw = _ld(w_arr, a.Lk)
+    cdef layout_bufs lb
+    cdef int rc
+    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, batch_shape)
     a.causal = causal
     a.causal_offset = causal_offset
     a.block_q = block_q
