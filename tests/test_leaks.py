@@ -107,31 +107,41 @@ def test_rss_does_not_grow(numpy_plugin, calls):
 
 
 def test_tracemalloc_shows_no_growth(numpy_plugin):
-    """Traced memory is flat over 2400 calls.  NumPy keeps small bounded caches
-    that churn (objects freed and reallocated): under tracing they show up as
-    a growth that levels off after a few thousand calls, hence the traced
-    warm-up.  A leak of one object per call of any one job of the mix would
-    add 200 blocks."""
+    """Traced memory is flat over two windows of 2400 calls each.  NumPy keeps
+    small bounded caches that churn (objects freed and reallocated): under
+    tracing they show up as a growth that levels off after a few thousand
+    calls, hence the traced warm-up.  A leak of one object per call of any
+    one job of the mix would add 200 blocks to *each* window; churn does not
+    repeat, so the smaller of the two windows' growths is what is bounded
+    (one window alone was seen at 141 blocks once, in a full run).
+    tracemalloc's own bookkeeping is filtered out."""
     jobs, _ = make_small_jobs()
     calls = 200 * len(jobs)
     _run(jobs, 30 * len(jobs))
     gc.collect()
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__),
+              tracemalloc.Filter(False, "<frozen importlib._bootstrap>"),
+              tracemalloc.Filter(False, "<unknown>")]
     tracemalloc.start()
     try:
         _run(jobs, 2 * calls)
         gc.collect()
-        first = tracemalloc.take_snapshot()
-        _run(jobs, calls)
-        gc.collect()
-        second = tracemalloc.take_snapshot()
+        snaps = [tracemalloc.take_snapshot().filter_traces(ignore)]
+        for _ in range(2):
+            _run(jobs, calls)
+            gc.collect()
+            snaps.append(tracemalloc.take_snapshot().filter_traces(ignore))
     finally:
         tracemalloc.stop()
-    diff = second.compare_to(first, "lineno")
-    grown = sum(d.size_diff for d in diff)
-    blocks = sum(d.count_diff for d in diff)
-    top = "\n".join(str(d) for d in diff[:5])
+    windows = []
+    for a, b in zip(snaps, snaps[1:]):
+        diff = b.compare_to(a, "lineno")
+        windows.append((sum(d.size_diff for d in diff), sum(d.count_diff for d in diff),
+                        "\n".join(str(d) for d in diff[:5])))
+    grown, blocks, top = min(windows, key=lambda w: w[1])
     assert grown < 16 * 1024 and blocks < 120, (
-        f"traced memory grew by {grown} bytes in {blocks} blocks over {calls} calls:\n{top}")
+        f"traced memory grew by {grown} bytes in {blocks} blocks over {calls} calls "
+        f"(both windows: {[w[:2] for w in windows]}):\n{top}")
 
 
 def test_input_reference_counts_unchanged(numpy_plugin):
