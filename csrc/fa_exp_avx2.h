@@ -78,8 +78,8 @@ AVX2 static inline __m256 exp2_8_poly_f32(__m256 r)
 /* 2^x for x <= 0 or NaN (streaming softmax rows kept in base 2: scores times
  * log2(e), minus their row max).  No argument reduction error: n = nearest
  * integer to x and r = x - n are both exact, so the only error is the
- * polynomial's; the usual case costs no clamp and 7 multiply-adds, half of
- * exp8_nonpos_f32's.  -inf gives exact 0 (through the slow path), NaN
+ * polynomial's; the usual case costs no clamp and 7 multiplications (6 of
+ * them fused multiply-adds) where exp8_nonpos_f32 needs 10 and a clamp.  -inf gives exact 0 (through the slow path), NaN
  * propagates, subnormal results are rounded once. */
 AVX2 static inline __m256 exp2_8_nonpos_f32(__m256 x)
 {
