@@ -36,12 +36,16 @@ def rows_from_json(path):
     with open(path) as f:
         data = json.load(f)
     cases, gemm, threads, load, gemm_load = {}, {}, set(), {}, {}
+    peak = None
     for b in data.get("benchmarks", []):
         info = b.get("extra_info", {})
         median = b["stats"]["median"]
         if info.get("kind") == "gemm":
             gemm[info["dtype"]] = info["flops"] / median / 1e9
             gemm_load[info["dtype"]] = info.get("other_cores")
+            continue
+        if info.get("kind") == "fma_peak":
+            peak = info["flops"] / median / 1e9 if info.get("flops") else None
             continue
         if "impl" not in info or "shape" not in info:
             continue
@@ -60,12 +64,15 @@ def rows_from_json(path):
               f"{mi.get('cpu', {}).get('brand_raw', mi.get('processor', '?'))}, "
               f"thread count(s) {sorted(t for t in threads if t is not None)}",
               "gemm: " + (", ".join(f"{'s' if k == 'float32' else 'd'}gemm {v:.1f} GFLOP/s"
-                                    for k, v in gemm.items()) or "not in this run")]
+                                    for k, v in gemm.items()) or "not in this run"),
+              "FMA peak: " + (f"float32 {peak:.1f} GFLOP/s, float64 {peak / 2:.1f} "
+                              "(fastattn._kernels.fma_probe on the same threads)"
+                              if peak else "not in this run")]
     loaded = [f"{'s' if k == 'float32' else 'd'}gemm" for k, v in gemm_load.items()
               if v is not None and v > _bench.LOADED_CORES]
     if loaded:
         header.append(f"warning: {', '.join(loaded)} measured on a loaded machine: %gemm is inflated")
-    return rows, gemm, header
+    return rows, _bench.add_peak(gemm, peak), header
 
 
 def main(argv=None):

@@ -161,6 +161,17 @@ def test_gemm(benchmark, dtype, name):
                            warmup_rounds=1)
 
 
+@pytest.mark.benchmark(group="fma peak")
+def test_fma_peak(benchmark):
+    """The float32 FMA peak at fastattn's thread count: report.py's %peak column."""
+    run, flops = _bench.fma_peak_callable(N_THREADS)
+    if not flops:
+        pytest.skip("fastattn's AVX2 code is not in use: no FMA peak to measure")
+    benchmark.extra_info.update(kind="fma_peak", flops=flops, threads=N_THREADS,
+                                impl="fastattn._kernels.fma_probe")
+    benchmark.pedantic(run, rounds=15, iterations=1, warmup_rounds=2)
+
+
 @pytest.mark.parametrize(("case", "impl"), list(_params()))
 def test_sdpa(benchmark, case, impl):
     data = case_data(case)

@@ -129,6 +129,11 @@ double fa_expsub_masked_f64(double *x, int64_t n, double m);
 float fa_exp2sub_sum_f32(float *x, int64_t n, float m);
 float fa_exp2sub_masked_f32(float *x, int64_t n, float m);
 
+/* Benchmarks' yardstick: n iterations of 12 independent 8-lane float FMAs on
+ * this thread; returns the flops done (0 when the AVX2 code is not in use),
+ * *sink receives a value that depends on all of them. */
+double fa_fma_probe(int64_t n, float *sink);
+
 /* SIMD dispatch: 1 when the AVX2/FMA code paths are in use. */
 int fa_simd_active(void);
 /* Force the portable scalar paths (disable != 0) or re-enable detection. */

@@ -63,6 +63,8 @@ __all__ = [
     "blas_threads",
     "gemm_callable",
     "gemm_gflops",
+    "fma_peak_callable",
+    "fma_peak_gflops",
     "Case",
     "SUITE_CASES",
     "IMPLS",
@@ -553,6 +555,47 @@ def gemm_gflops(dtype="float32", n=2048, n_threads=2, budget=1.0):
     return flops / t / 1e9, got.get("scipy")
 
 
+PEAK_ITERS = 20000  # fma_probe iterations a task: 64 tasks of ~0.4 ms on one core
+
+
+def fma_peak_callable(n_threads=2):
+    """``(run, flops)``: one :func:`fastattn._kernels.fma_probe` call on
+    ``n_threads`` threads (flops is 0 when the AVX2 code is not in use)."""
+    from . import _kernels
+
+    flops = _kernels.fma_probe(1, 1) * PEAK_ITERS  # 64 tasks of PEAK_ITERS iterations
+
+    def run():
+        return _kernels.fma_probe(PEAK_ITERS, n_threads)
+
+    return run, flops
+
+
+def fma_peak_gflops(n_threads=2, budget=0.3):
+    """The float32 FMA peak of this machine at ``n_threads`` threads in GFLOP/s
+    (median of >= 5 probe calls), or None without the AVX2 code.  Float64's is
+    half of it (4 lanes instead of 8, the same instruction rate)."""
+    run, flops = fma_peak_callable(n_threads)
+    if not flops:
+        return None
+    return flops / time_call(run, budget) / 1e9
+
+
+def add_peak(gemm, peak):
+    """``gemm`` (``{dtype: GFLOP/s}``) with the FMA peaks added under the keys
+    ``"peak:float32"`` and ``"peak:float64"`` (report_row's %peak column)."""
+    out = dict(gemm)
+    if peak:
+        out["peak:float32"] = peak
+        out["peak:float64"] = peak / 2
+    return out
+
+
+def gemm_items(gemm):
+    """The GEMM entries of a ``gemm`` dict (without the peaks)."""
+    return {k: v for k, v in gemm.items() if not k.startswith("peak:")}
+
+
 # ---------------------------------------------------------------------------
 # The benchmark cases, callables and checks
 
@@ -689,7 +732,7 @@ def report_columns(stream=None):
     mu = micro_unit(stream or sys.stdout)
     return (f"{'BxHxNxd':>14} {'causal':>6} {'dtype':>7} "
             + " ".join(f"{impl + ' ' + mu:>11}" for impl in IMPLS)
-            + f" {'fa/peer':>8} {'GFLOP/s':>8} {'%gemm':>6}  check")
+            + f" {'fa/peer':>8} {'GFLOP/s':>8} {'%gemm':>6} {'%peak':>6}  check")
 
 
 LOADED_CORES = 0.15  # other processes' average busy cores above which a row is flagged
@@ -697,6 +740,8 @@ LOADED_CORES = 0.15  # other processes' average busy cores above which a row is 
 REPORT_FOOTER = ("fa/peer = fastattn time / faster of torch and ort (< 1: fastattn is faster); "
                  "GFLOP/s = 4*B*H*N^2*d (halved when causal) / fastattn time; %gemm = that / "
                  "the same run's SciPy-BLAS sgemm (float32) or dgemm (float64) 2048x2048 GFLOP/s; "
+                 "%peak = that / the same run's FMA peak (fastattn._kernels.fma_probe: independent "
+                 "8-lane float FMAs on every thread; float64: half of it); "
                  "LOADED x = other processes kept x cores busy meanwhile (repeat that row)")
 
 
@@ -714,8 +759,10 @@ def report_row(row, gemm):
         g = gemm.get(c.dtype)
         cells.append(f"{gf:>8.1f}")
         cells.append(f"{100 * gf / g:>5.0f}%" if g else f"{'-':>6}")
+        pk = gemm.get("peak:" + c.dtype)
+        cells.append(f"{100 * gf / pk:>5.0f}%" if pk else f"{'-':>6}")
     else:
-        cells += [f"{'-':>8}", f"{'-':>6}"]
+        cells += [f"{'-':>8}", f"{'-':>6}", f"{'-':>6}"]
     bad = row.get("bad") or []
     check = " MISMATCH: " + ",".join(bad) if bad else (" " + row.get("check", "ok"))
     other = row.get("other_cores")
@@ -756,12 +803,15 @@ def environment_lines(n_threads, torch=None, use_ort=True, gemm=None, blas_read=
         lines.append("onnxruntime: " + ("onnx/onnxruntime not importable" if use_ort else "left out")
                      + ", column empty")
     lines.append(f"numpy {np.__version__}: its OpenBLAS held at {n_threads} thread(s)")
-    if gemm:
+    if gemm and gemm_items(gemm):
         lines.append("gemm (SciPy OpenBLAS, 2048x2048, F-order, "
                      f"{blas_read if blas_read is not None else '?'} BLAS thread(s) read back; "
                      "threadpoolctl not used): "
                      + ", ".join(f"{'s' if k == 'float32' else 'd'}gemm {v:.1f} GFLOP/s"
-                                 for k, v in gemm.items()))
+                                 for k, v in gemm_items(gemm).items()))
+    if gemm and gemm.get("peak:float32"):
+        lines.append(f"FMA peak (fastattn._kernels.fma_probe, {n_threads} thread(s)): "
+                     f"float32 {gemm['peak:float32']:.1f} GFLOP/s, float64 {gemm['peak:float64']:.1f}")
     return lines
 
 
@@ -793,6 +843,7 @@ def run_bench(shapes=None, dtype="float32", causal=False, budget=0.2,
     if gemm:
         for dt in dict.fromkeys(c.dtype for c in cases):
             gflops[dt], blas_read = gemm_gflops(dt, n_threads=nt, budget=max(budget, 0.5))
+        gflops = add_peak(gflops, fma_peak_gflops(nt))
     header = [f"scaled_dot_product_attention: median {micro_unit(stream)} per call "
               "(each result checked against NumPy first)"]
     header += environment_lines(nt, torch, use_ort, gflops, blas_read, use_torch)
@@ -807,8 +858,9 @@ def run_bench(shapes=None, dtype="float32", causal=False, budget=0.2,
             emit(report_row(rows[-1], gflops))
     emit(REPORT_FOOTER)
     if gemm:  # the same GEMM again: a drift check on this noisy machine
-        end = {dt: gemm_gflops(dt, n_threads=nt, budget=max(budget, 0.5))[0] for dt in gflops}
-        drift = max(abs(end[dt] / gflops[dt] - 1) for dt in gflops)
+        end = {dt: gemm_gflops(dt, n_threads=nt, budget=max(budget, 0.5))[0]
+               for dt in gemm_items(gflops)}
+        drift = max(abs(end[dt] / gflops[dt] - 1) for dt in end)
         emit("gemm again at the end: "
              + ", ".join(f"{'s' if k == 'float32' else 'd'}gemm {v:.1f} GFLOP/s" for k, v in end.items())
              + ("  <- machine speed drifted more than 15% during the run: repeat" if drift > 0.15 else ""))

@@ -44,10 +44,17 @@ cdef extern from "fastattn.h" nogil:
     float fa_exp2sub_sum_f32(float *x, int64_t n, float m)
     float fa_exp2sub_masked_f32(float *x, int64_t n, float m)
     int fa_simd_active()
+    double fa_fma_probe(int64_t n, float *sink)
     int fa_pool_workers()
     int64_t fa_pool_last_helped()
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
+
+cdef extern from "fa_pool.h" nogil:
+    ctypedef void (*fa_task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
+    ctypedef int (*fa_stop_fn)(void *stop_ctx) noexcept nogil
+    int fa_pool_run(int64_t ntasks, int nthreads, fa_task_fn fn, void *ctx,
+                    fa_stop_fn stop, void *stop_ctx)
 
 MASK_NONE = FA_MASK_NONE
 MASK_BOOL = FA_MASK_BOOL
@@ -139,6 +146,38 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.n_threads = n_threads
     rc = _run_sdpa(&a, cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32)
     return rc
+
+
+ctypedef struct _probe_ctx:
+    int64_t iters
+    double flops[64]
+    float sink
+
+
+cdef void _probe_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef _probe_ctx *c = <_probe_ctx *>vctx
+    cdef float sink = 0
+    c.flops[t] = fa_fma_probe(c.iters, &sink)
+    if sink == 12345.0:  # keeps the chains alive; never true
+        c.sink = sink
+
+
+def fma_probe(int64_t iters, int n_threads):
+    """Float FMA throughput yardstick for the benchmarks: 64 tasks of ``iters``
+    iterations of 12 independent 8-lane FMAs each, on fastattn's pool with
+    ``n_threads`` threads.  Returns the flops done (0 when the AVX2 code is
+    not in use); flops / elapsed time is the machine's FMA peak at that thread
+    count, the ceiling every float32 kernel's GFLOP/s is compared with."""
+    cdef _probe_ctx c
+    cdef int t
+    c.iters = iters if iters > 0 else 0
+    c.sink = 0
+    with nogil:
+        fa_pool_run(64, n_threads if n_threads > 0 else 1, _probe_task, &c, NULL, NULL)
+    cdef double total = 0
+    for t in range(64):
+        total += c.flops[t]
+    return total
 
 
 def exp(cnp.ndarray x, cnp.ndarray y):

@@ -104,7 +104,8 @@ def test_report_from_json(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_report", os.path.join(REPO, "benchmarks", "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    benches = [{"extra_info": {"kind": "gemm", "dtype": "float32", "flops": 2e9}, "stats": {"median": 0.01}}]
+    benches = [{"extra_info": {"kind": "gemm", "dtype": "float32", "flops": 2e9}, "stats": {"median": 0.01}},
+               {"extra_info": {"kind": "fma_peak", "flops": 4e9}, "stats": {"median": 0.01}}]
     for impl, t in (("fastattn", 1e-3), ("torch", 2e-3), ("ort", 4e-3), ("numpy", 5e-3)):
         benches.append({"extra_info": {"kind": "sdpa", "shape": [1, 8, 512, 64], "dtype": "float32",
                                        "causal": False, "impl": impl, "threads": 2},
@@ -118,6 +119,39 @@ def test_report_from_json(tmp_path, capsys):
     assert cells[7] == "0.50x"  # fastattn / faster peer (torch)
     gf = _bench.attention_flops((1, 8, 512, 64)) / 1e-3 / 1e9
     assert cells[8] == f"{gf:.1f}" and cells[9] == f"{100 * gf / 200:.0f}%"
+    assert cells[10] == f"{100 * gf / 400:.0f}%"  # the FMA peak: 4e9 flops in 10 ms
+    # without a peak in the run, the column is empty
+    path.write_text(json.dumps({"benchmarks": [b for b in benches
+                                               if b["extra_info"].get("kind") != "fma_peak"]}))
+    assert report.main(["--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "FMA peak: not in this run" in out
+    row = [ln for ln in out.splitlines() if ln.strip().startswith("1x8x512x64")]
+    assert row[0].split()[10] == "-"
+
+
+def test_fma_probe_counts_its_flops():
+    """The peak probe does 64 tasks x iters x 12 FMAs of 8 lanes (2 flops each),
+    on any thread count, and nothing without the AVX2 code."""
+    from conftest import SIMD_CAPABLE, _restore_simd
+    from fastattn import _kernels
+    if not _kernels.simd_active():
+        assert _kernels.fma_probe(10, 2) == 0
+        return
+    for nt in (1, 2, 3):
+        assert _kernels.fma_probe(10, nt) == 64 * 10 * 192
+    assert _kernels.fma_probe(0, 2) == 0
+    run, flops = _bench.fma_peak_callable(2)
+    assert flops == 64 * _bench.PEAK_ITERS * 192 and run() == flops
+    assert SIMD_CAPABLE
+    try:
+        _kernels.set_simd_disabled(True)
+        assert _kernels.fma_probe(10, 2) == 0
+        assert _bench.fma_peak_gflops(2) is None
+    finally:
+        _restore_simd()
+    assert _bench.add_peak({"float32": 1.0}, 100.0) == {"float32": 1.0, "peak:float32": 100.0,
+                                                       "peak:float64": 50.0}
 
 
 def test_memory_probe_in_child():
