@@ -4,6 +4,7 @@
  * worker pool (fa_pool.c) over (batch item, query block) tasks.
  */
 #define _POSIX_C_SOURCE 200112L
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>

@@ -34,7 +34,10 @@ static inline int64_t FN(batch_off)(const fa_sdpa_args *a, const int64_t *bs, in
 
 /* Apply mask and causal limit to the tile row s[0..n) of query row gi, keys
  * j0..j0+n; an additive mask is added times bmul (the scores' base: 1, or
- * log2(e) in the float streaming path -- times 1 is exact). */
+ * log2(e) in the float streaming path).  A finite mask value whose product
+ * overflows is saturated to the largest finite value of its sign: a row
+ * masked with finfo.min everywhere stays a row of equal finite scores
+ * (uniform weights, as in base e and in PyTorch), not of -inf (zeros). */
 static inline void FN(mask_row)(const fa_sdpa_args *a, const fa_rowops *ops,
                                 const unsigned char *mb, const REAL *bb, REAL bmul,
                                 REAL *s, int64_t gi, int64_t j0, int64_t n)
@@ -43,8 +46,18 @@ static inline void FN(mask_row)(const fa_sdpa_args *a, const fa_rowops *ops,
         FN(ops_mask_bool)(ops, s, mb + gi * a->ldm + j0, n);
     } else if (bb) {
         const REAL *br = bb + gi * a->ldm + j0;
-        for (int64_t c = 0; c < n; c++)
-            s[c] += br[c] * bmul;
+        if (bmul == (REAL)1) {
+            for (int64_t c = 0; c < n; c++)
+                s[c] += br[c];
+        } else {
+            const REAL big = sizeof(REAL) == sizeof(float) ? (REAL)FLT_MAX : (REAL)DBL_MAX;
+            for (int64_t c = 0; c < n; c++) {
+                REAL t = br[c] * bmul;
+                if (isinf(t) && !isinf(br[c]))
+                    t = br[c] < 0 ? -big : big;
+                s[c] += t;
+            }
+        }
     }
     if (a->causal) {
         int64_t lim = gi + a->causal_offset - j0;  /* last allowed column */

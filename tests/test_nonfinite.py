@@ -240,3 +240,31 @@ def test_fully_masked_rows_zero_despite_nonfinite_values(how, rng):
                 fin = np.all(np.isfinite(ref), -1) & ~fully
                 assert_close(o[fin], ref[fin], np.float64)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("dtype", FLOATS, ids=["f32", "f64"])
+def test_extreme_finite_float_mask(simd_mode, dtype, size, rng):
+    """Float masks at finfo.min / finfo.max (the 'large negative' masks of
+    Hugging Face models): a row masked with finfo.min everywhere has equal
+    finite scores, so uniform weights, as in the oracle and in PyTorch -- not
+    the zeros of a -inf row.  The float32 streaming path keeps scores in base
+    2 (mask times log2 e), where these values would overflow to infinities."""
+    Lq, Lk = SIZES[size]
+    q, k, v = _inputs(rng, dtype, Lq, Lk)
+    fi = np.finfo(dtype)
+    m = np.zeros((Lq, Lk), dtype)
+    m[1, :] = fi.min                       # every key: uniform weights
+    m[2, : Lk // 2] = fi.min               # half the keys
+    m[3, :3] = fi.max                      # three keys win outright
+    m[4, :] = fi.min / 2                   # finite after the base change too
+    m[5, 1::2] = -np.inf                   # true -inf keeps meaning "masked"
+    m[6, :] = -np.inf                      # every key masked: zeros
+    ref_o, ref_w = oracle(q, k, v, attn_mask=m, return_weights=True)
+    o, o2, w = _both(q, k, v, attn_mask=m)
+    for out in (o, o2):
+        assert np.isfinite(out).all()
+        assert_close(out, ref_o, dtype)
+        np.testing.assert_allclose(out[:, 1], v.astype(np.float64).mean(axis=1), rtol=1e-4, atol=1e-5)
+        assert np.all(out[:, 6] == 0)
+    assert_close(w, ref_w, dtype)
