@@ -6,6 +6,7 @@ threads (csrc/fa_pool.c explains why not OpenMP).  AVX2/FMA code is compiled
 per function (target attributes) and selected at run time, so the baseline
 stays portable.
 """
+import glob
 import os
 
 import numpy as np
@@ -38,6 +39,11 @@ extra_link = ["-pthread"]
 extra_compile += os.environ.get("FASTATTN_EXTRA_CFLAGS", "").split()
 extra_link += os.environ.get("FASTATTN_EXTRA_LDFLAGS", "").split()
 
+# Headers (csrc/*.h, included by the C sources) and shared Cython
+# declarations: an edit to any of them rebuilds every extension (setuptools
+# compares only the listed sources otherwise).
+DEPENDS = sorted(glob.glob("csrc/*.h") + glob.glob("fastattn/*.pxd"))
+
 extensions = [
     Extension(
         "fastattn._kernels",
@@ -46,6 +52,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
+        depends=DEPENDS,
     ),
     # Similarity kernels (fused additive / concat, compiled plugins); they run on
     # _kernels' worker pool and BLAS hold (addresses handed over at import).
@@ -56,6 +63,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
+        depends=DEPENDS,
     ),
     # Multi-head projections (Y = X W^T + b): Cython over cython_blas, plus a
     # few-row AVX2 kernel; it runs on _kernels' worker pool (addresses handed over).
@@ -66,6 +74,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
+        depends=DEPENDS,
     ),
     # The RNN layers' time loop (csrc/fa_rnn.c; fa_proj.c's few-row kernel for
     # h W_hh^T); runs on _kernels' worker pool (addresses handed over).
@@ -76,6 +85,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
+        depends=DEPENDS,
     ),
 ]
 
