@@ -2,8 +2,7 @@
  * Vectorised exp (AVX2/FMA) shared by fa_simd.c and fa_additive.c: the
  * includer defines AVX2 (the target attribute) and includes <immintrin.h>.
  * float: <= 2 ulp over the softmax range (measured 0.98), double: <= 1 ulp
- * (tests/test_exp.py); exact 0 for -inf, NaN propagates.  Also 2^x for x <= 0
- * in float (exp2_8_nonpos_f32, <= 1 ulp), for the streaming softmax.
+ * (tests/test_exp.py); exact 0 for -inf, NaN propagates.
  */
 #ifndef FA_EXP_AVX2_H
 #define FA_EXP_AVX2_H
@@ -60,51 +59,6 @@ AVX2 static inline __m256 exp8_any_f32(__m256 x, const int nonpos)
 
 AVX2 static inline __m256 exp8_f32(__m256 x) { return exp8_any_f32(x, 0); }
 AVX2 static inline __m256 exp8_nonpos_f32(__m256 x) { return exp8_any_f32(x, 1); }
-
-/* 2^r for |r| <= 1/2 as 1 + r * Q(r), Q of degree 5: coefficients fitted for
- * least maximum relative error (2.0e-9 in exact arithmetic); evaluated in
- * float32 the result stays within 1 ulp (tests/test_exp.py). */
-AVX2 static inline __m256 exp2_8_poly_f32(__m256 r)
-{
-    __m256 q = _mm256_set1_ps(1.5353357593994588e-4f);
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.339887734502554e-3f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(9.618437848985195e-3f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.5503323674201965e-2f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(2.4022647738456726e-1f));
-    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(6.931471824645996e-1f));
-    return _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
-}
-
-/* 2^x for x <= 0 or NaN (streaming softmax rows kept in base 2: scores times
- * log2(e), minus their row max).  No argument reduction error: n = nearest
- * integer to x and r = x - n are both exact, so the only error is the
- * polynomial's; the usual case costs no clamp and 7 multiplications (6 of
- * them fused multiply-adds) where exp8_nonpos_f32 needs 10 and a clamp.  -inf gives exact 0 (through the slow path), NaN
- * propagates, subnormal results are rounded once. */
-AVX2 static inline __m256 exp2_8_nonpos_f32(__m256 x)
-{
-    const __m256 magic = _mm256_set1_ps(12582912.0f); /* 1.5 * 2^23 */
-    __m256 t = _mm256_add_ps(x, magic);
-    __m256 n = _mm256_sub_ps(t, magic);
-    __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
-    __m256 e = exp2_8_poly_f32(_mm256_sub_ps(x, n));
-    __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
-    if (__builtin_expect(_mm256_testz_si256(low, low), 1))
-        return _mm256_mul_ps(e, _mm256_castsi256_ps(
-                                    _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23)));
-    /* subnormal or zero results (x < -126, -inf): clamp where 2^x is 0 anyway
-     * (max with the constant first keeps NaN), then 2^n1 * 2^n2, each normal */
-    x = _mm256_max_ps(_mm256_set1_ps(-160.0f), x);
-    t = _mm256_add_ps(x, magic);
-    n = _mm256_sub_ps(t, magic);
-    ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
-    e = exp2_8_poly_f32(_mm256_sub_ps(x, n));
-    __m256i n1 = _mm256_srai_epi32(ni, 1);
-    __m256i n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(e, s1), s2);
-}
 
 AVX2 static inline __m256d exp4_f64(__m256d x)
 {

@@ -58,10 +58,6 @@ typedef struct {
     void (*gemm_pb_f64)(int64_t m, int64_t ncols, int64_t k, const double *A, int64_t lda,
                         const double *Bp, double *C, int64_t ldc, int acc,
                         const int64_t *lim, int lim_k);
-    /* base 2: x[j] = 2^(x[j] - m) in place, returns the sum; the float
-     * streaming softmax keeps its scores in base 2 (times log2(e)) */
-    float (*exp2sub_sum_f32)(float *x, int64_t n, float m);
-    float (*exp2sub_masked_f32)(float *x, int64_t n, float m);
 } fa_rowops;
 
 /* Rows per block of gemm_pb (the lim granularity). */

@@ -4,7 +4,6 @@
  * worker pool (fa_pool.c) over (batch item, query block) tasks.
  */
 #define _POSIX_C_SOURCE 200112L
-#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -99,21 +98,6 @@ static inline void ops_mask_bool_f64(const fa_rowops *o, double *x, const unsign
 
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }
-
-/* The streaming softmax's base: float scores are kept in base 2 (the scale
- * times log2(e) folded into the product, 2^x for the exponentials: its
- * argument reduction is exact and it needs half the multiply-adds of exp);
- * double keeps base e.  stream_log2e multiplies the scale and an additive
- * mask, sexpo is the scalar exponential of that base, ops_sexpsub* its row
- * operations. */
-static const double stream_log2e_f32 = 1.4426950408889634074;
-static const double stream_log2e_f64 = 1.0;
-static inline float sexpo_f32(float x) { return exp2f(x); }
-static inline double sexpo_f64(double x) { return exp(x); }
-static inline float ops_sexpsub_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->exp2sub_sum_f32(x, n, m); }
-static inline double ops_sexpsub_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_sum_f64(x, n, m); }
-static inline float ops_sexpsub_masked_f32(const fa_rowops *o, float *x, int64_t n, float m) { return o->exp2sub_masked_f32(x, n, m); }
-static inline double ops_sexpsub_masked_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_masked_f64(x, n, m); }
 
 #define REAL float
 #define SFX f32

@@ -32,32 +32,17 @@ static inline int64_t FN(batch_off)(const fa_sdpa_args *a, const int64_t *bs, in
     return off;
 }
 
-/* Apply mask and causal limit to the tile row s[0..n) of query row gi, keys
- * j0..j0+n; an additive mask is added times bmul (the scores' base: 1, or
- * log2(e) in the float streaming path).  A finite mask value whose product
- * overflows is saturated to the largest finite value of its sign: a row
- * masked with finfo.min everywhere stays a row of equal finite scores
- * (uniform weights, as in base e and in PyTorch), not of -inf (zeros). */
+/* Apply mask and causal limit to the tile row s[0..n) of query row gi, keys j0..j0+n. */
 static inline void FN(mask_row)(const fa_sdpa_args *a, const fa_rowops *ops,
-                                const unsigned char *mb, const REAL *bb, REAL bmul,
+                                const unsigned char *mb, const REAL *bb,
                                 REAL *s, int64_t gi, int64_t j0, int64_t n)
 {
     if (mb) {
         FN(ops_mask_bool)(ops, s, mb + gi * a->ldm + j0, n);
     } else if (bb) {
         const REAL *br = bb + gi * a->ldm + j0;
-        if (bmul == (REAL)1) {
-            for (int64_t c = 0; c < n; c++)
-                s[c] += br[c];
-        } else {
-            const REAL big = sizeof(REAL) == sizeof(float) ? (REAL)FLT_MAX : (REAL)DBL_MAX;
-            for (int64_t c = 0; c < n; c++) {
-                REAL t = br[c] * bmul;
-                if (isinf(t) && !isinf(br[c]))
-                    t = br[c] < 0 ? -big : big;
-                s[c] += t;
-            }
-        }
+        for (int64_t c = 0; c < n; c++)
+            s[c] += br[c];
     }
     if (a->causal) {
         int64_t lim = gi + a->causal_offset - j0;  /* last allowed column */
@@ -163,7 +148,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         REAL *lsum = W ? scratch : scratch + m * a->Lk;  /* softmax denominators */
         for (int64_t r = 0; r < m; r++) {
             REAL *s = S + r * lds;
-            FN(mask_row)(a, ops, mb, bb, (REAL)1, s, i0 + r, 0, kend);
+            FN(mask_row)(a, ops, mb, bb, s, i0 + r, 0, kend);
             REAL mx = FN(ops_rowmax)(ops, s, kend);
             REAL mref = mx == (REAL)(-INFINITY) ? (REAL)0 : mx;
             REAL l = (mb || bb || a->causal) ? FN(ops_expsub_masked)(ops, s, kend, mref)
@@ -186,10 +171,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
     }
 
     /* Streaming: key tiles with a running max and sum per query row; the
-     * output rows themselves are the accumulator.  Scores in the base of
-     * FN(stream_log2e) (fa_sdpa.c): sscale folds it into the products. */
-    const REAL bmul = (REAL)FN(stream_log2e);
-    const REAL sscale = (REAL)(a->scale * FN(stream_log2e));
+     * output rows themselves are the accumulator. */
     const int64_t bk = a->block_k;
     const int direct = FN(use_direct)(a);
     /* causal tiles with our products: each block of FA_PACK_ROWS query rows
@@ -225,10 +207,10 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             }
         }
         if (direct) {
-            FN(ops_pack_kt)(ops, n, a->d, sscale, K + j0 * a->ldk, a->ldk, kp);
+            FN(ops_pack_kt)(ops, n, a->d, scale, K + j0 * a->ldk, a->ldk, kp);
             FN(ops_gemm_pb)(ops, m, n, a->d, Q, a->ldq, kp, S, bk, 0, Lim, 0);
         } else {
-            FN(rm_gemm)('N', 'T', m, n, a->d, sscale, Q, a->ldq, K + j0 * a->ldk, a->ldk,
+            FN(rm_gemm)('N', 'T', m, n, a->d, scale, Q, a->ldq, K + j0 * a->ldk, a->ldk,
                         (REAL)0, S, bk);
         }
         for (int64_t r = 0; r < m; r++) {
@@ -241,19 +223,19 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             }
             /* the causally forbidden columns become exact zeros after the
              * exponentials (not -inf before: exp's slow path) */
-            FN(mask_row)(a, ops, mb, bb, bmul, s, i0 + r, j0, na);
+            FN(mask_row)(a, ops, mb, bb, s, i0 + r, j0, na);
             REAL tmax = FN(ops_rowmax)(ops, s, na);
             REAL mold = Mx[r];
             REAL mnew = tmax > mold ? tmax : mold;
             if (started && mnew > mold) {
-                REAL alpha = (REAL)FN(sexpo)(mold - mnew);
+                REAL alpha = (REAL)FN(expo)(mold - mnew);
                 Ls[r] *= alpha;
                 FN(scale_row)(O + r * a->ldo, dv, alpha);
             }
             Mx[r] = mnew;
             REAL mref = mnew == (REAL)(-INFINITY) ? (REAL)0 : mnew;
-            Ls[r] += (mb || bb) ? FN(ops_sexpsub_masked)(ops, s, na, mref)
-                                : FN(ops_sexpsub)(ops, s, na, mref);
+            Ls[r] += (mb || bb) ? FN(ops_expsub_masked)(ops, s, na, mref)
+                                : FN(ops_expsub)(ops, s, na, mref);
             if (na < nu)
                 memset(s + na, 0, (size_t)(nu - na) * sizeof(REAL));
         }

@@ -54,17 +54,6 @@ static double expsub_sum_f64_scalar(double *x, int64_t n, double m)
     return s;
 }
 
-static float exp2sub_sum_f32_scalar(float *x, int64_t n, float m)
-{
-    float s = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        float e = exp2f(x[j] - m);
-        x[j] = e;
-        s += e;
-    }
-    return s;
-}
-
 static void mask_bool_f32_scalar(float *x, const unsigned char *m, int64_t n)
 {
     for (int64_t j = 0; j < n; j++)
@@ -172,7 +161,6 @@ static const fa_rowops scalar_ops = {
     pack_kt_f32_scalar, pack_kt_f64_scalar,
     pack_v_f32_scalar, pack_v_f64_scalar,
     gemm_pb_f32_scalar, gemm_pb_f64_scalar,
-    exp2sub_sum_f32_scalar, exp2sub_sum_f32_scalar,
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -305,7 +293,6 @@ AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
  * never sends a vector down exp's slow subnormal path. */
 #define FA_EXP_DEAD_F32 (-104.0f)
 #define FA_EXP_DEAD_F64 (-746.0)
-#define FA_EXP2_DEAD_F32 (-151.0f)
 
 AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
 {
@@ -326,56 +313,6 @@ AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
         __m256 gone = _mm256_or_ps(_mm256_cmp_ps(v, dead, _CMP_LT_OQ),
                                    _mm256_castsi256_ps(_mm256_xor_si256(msk, _mm256_set1_epi32(-1))));
         __m256 e = _mm256_andnot_ps(gone, exp8_nonpos_f32(_mm256_andnot_ps(gone, v)));
-        _mm256_maskstore_ps(x + j, msk, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return hsum8(acc);
-}
-
-/* Base 2: x[j] = 2^(x[j] - m), the sum returned; as expsub_sum_f32_avx2 and
- * expsub_masked_f32_avx2 (the same tails, the same dead lanes), with
- * exp2_8_nonpos_f32 for the exponentials. */
-AVX2 static float exp2sub_sum_f32_avx2(float *x, int64_t n, float m)
-{
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 e = exp2_8_nonpos_f32(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
-        _mm256_storeu_ps(x + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    if (j < n) {
-        __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + j, msk), vm);
-        v = _mm256_and_ps(v, _mm256_castsi256_ps(msk));
-        __m256 e = exp2_8_nonpos_f32(v);
-        _mm256_maskstore_ps(x + j, msk, e);
-        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(msk)));
-    }
-    return hsum8(acc);
-}
-
-AVX2 static float exp2sub_masked_f32_avx2(float *x, int64_t n, float m)
-{
-    const __m256 vm = _mm256_set1_ps(m), dead = _mm256_set1_ps(FA_EXP2_DEAD_F32);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
-        __m256 gone = _mm256_cmp_ps(v, dead, _CMP_LT_OQ);  /* NaN: kept, propagates */
-        __m256 e = _mm256_andnot_ps(gone, exp2_8_nonpos_f32(_mm256_andnot_ps(gone, v)));
-        _mm256_storeu_ps(x + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    if (j < n) {
-        __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - j)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 v = _mm256_sub_ps(_mm256_maskload_ps(x + j, msk), vm);
-        __m256 gone = _mm256_or_ps(_mm256_cmp_ps(v, dead, _CMP_LT_OQ),
-                                   _mm256_castsi256_ps(_mm256_xor_si256(msk, _mm256_set1_epi32(-1))));
-        __m256 e = _mm256_andnot_ps(gone, exp2_8_nonpos_f32(_mm256_andnot_ps(gone, v)));
         _mm256_maskstore_ps(x + j, msk, e);
         acc = _mm256_add_ps(acc, e);
     }
@@ -624,7 +561,6 @@ static const fa_rowops avx2_ops = {
     pack_kt_f32, pack_kt_f64,
     pack_v_f32, pack_v_f64,
     gemm_pb_f32, gemm_pb_f64,
-    exp2sub_sum_f32_avx2, exp2sub_masked_f32_avx2,
 };
 
 /* The FMA throughput probe (fa_fma_probe): 12 independent chains, enough to
@@ -694,8 +630,6 @@ float fa_expsub_sum_f32(float *x, int64_t n, float m) { return fa_get_rowops()->
 double fa_expsub_sum_f64(double *x, int64_t n, double m) { return fa_get_rowops()->expsub_sum_f64(x, n, m); }
 float fa_expsub_masked_f32(float *x, int64_t n, float m) { return fa_get_rowops()->expsub_masked_f32(x, n, m); }
 double fa_expsub_masked_f64(double *x, int64_t n, double m) { return fa_get_rowops()->expsub_masked_f64(x, n, m); }
-float fa_exp2sub_sum_f32(float *x, int64_t n, float m) { return fa_get_rowops()->exp2sub_sum_f32(x, n, m); }
-float fa_exp2sub_masked_f32(float *x, int64_t n, float m) { return fa_get_rowops()->exp2sub_masked_f32(x, n, m); }
 
 double fa_fma_probe(int64_t n, float *sink)
 {

@@ -124,10 +124,6 @@ double fa_expsub_sum_f64(double *x, int64_t n, double m);
 /* The same for rows with masked (-inf) entries (the kernels use it when a mask is given). */
 float fa_expsub_masked_f32(float *x, int64_t n, float m);
 double fa_expsub_masked_f64(double *x, int64_t n, double m);
-/* Base 2, float: x[j] = 2^(x[j] - m) in place (x <= m), returns the sum; the
- * float streaming softmax's row operation (plain and masked variants). */
-float fa_exp2sub_sum_f32(float *x, int64_t n, float m);
-float fa_exp2sub_masked_f32(float *x, int64_t n, float m);
 
 /* Benchmarks' yardstick: n iterations of 12 independent 8-lane float FMAs on
  * this thread; returns the flops done (0 when the AVX2 code is not in use),

@@ -41,8 +41,6 @@ cdef extern from "fastattn.h" nogil:
     double fa_expsub_sum_f64(double *x, int64_t n, double m)
     float fa_expsub_masked_f32(float *x, int64_t n, float m)
     double fa_expsub_masked_f64(double *x, int64_t n, double m)
-    float fa_exp2sub_sum_f32(float *x, int64_t n, float m)
-    float fa_exp2sub_masked_f32(float *x, int64_t n, float m)
     int fa_simd_active()
     double fa_fma_probe(int64_t n, float *sink)
     int fa_pool_workers()
@@ -191,22 +189,14 @@ def exp(cnp.ndarray x, cnp.ndarray y):
             fa_exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), n)
 
 
-def expsub(cnp.ndarray x, double m, bint masked=False, bint base2=False):
+def expsub(cnp.ndarray x, double m, bint masked=False):
     """x = exp(x - m) in place (x <= m: a softmax row); returns the sum.  x contiguous.
-    masked: the variant for rows with masked (-inf) entries.  base2 (float32
-    only): x = 2**(x - m), the float streaming softmax's row operation."""
+    masked: the variant for rows with masked (-inf) entries."""
     cdef int64_t n = cnp.PyArray_SIZE(x)
     cdef double r
-    if base2 and cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32:
-        raise TypeError("expsub: base2 is float32 only")
     if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
         with nogil:
-            if base2:
-                if masked:
-                    r = fa_exp2sub_masked_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
-                else:
-                    r = fa_exp2sub_sum_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
-            elif masked:
+            if masked:
                 r = fa_expsub_masked_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)
             else:
                 r = fa_expsub_sum_f32(<float *>cnp.PyArray_DATA(x), n, <float>m)

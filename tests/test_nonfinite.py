@@ -248,8 +248,7 @@ def test_extreme_finite_float_mask(simd_mode, dtype, size, rng):
     """Float masks at finfo.min / finfo.max (the 'large negative' masks of
     Hugging Face models): a row masked with finfo.min everywhere has equal
     finite scores, so uniform weights, as in the oracle and in PyTorch -- not
-    the zeros of a -inf row.  The float32 streaming path keeps scores in base
-    2 (mask times log2 e), where these values would overflow to infinities."""
+    the zeros of a -inf row; finfo.max keys take all the weight, no NaN."""
     Lq, Lk = SIZES[size]
     q, k, v = _inputs(rng, dtype, Lq, Lk)
     fi = np.finfo(dtype)
