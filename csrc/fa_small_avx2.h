@@ -280,25 +280,17 @@ AVX2 static void SM(pack_v)(int64_t n, int64_t dv, const ELT *V, int64_t ldv, EL
     }
 }
 
-/* C rows (up to 6) x one panel: C (+)= A . Bpanel over k. */
+/* C rows (up to 6) x one panel: C (+)= A . Bpanel over k.  With acc the
+ * product is summed from zero and then added to C (not summed onto C): the
+ * streaming kernel's output rows are then a sum of per-tile sums, whose
+ * rounding error grows with the tile length, not with the whole key length
+ * (one sequential chain over 2048 keys had 1.6x torch's rms error). */
 AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, ELT *C,
                                    int64_t ldc, int nrows, int64_t rem, int acc)
 {
     VEC a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
-    if (acc) {
-        const ELT *c0 = C, *c1 = C + (nrows > 1 ? 1 : 0) * ldc, *c2 = C + (nrows > 2 ? 2 : 0) * ldc;
-        const ELT *c3 = C + (nrows > 3 ? 3 : 0) * ldc, *c4 = C + (nrows > 4 ? 4 : 0) * ldc;
-        const ELT *c5 = C + (nrows > 5 ? 5 : 0) * ldc;
-        a00 = SM(load_part)(c0, rem); a01 = SM(load_part)(c0 + W, rem - W);
-        a10 = SM(load_part)(c1, rem); a11 = SM(load_part)(c1 + W, rem - W);
-        a20 = SM(load_part)(c2, rem); a21 = SM(load_part)(c2 + W, rem - W);
-        a30 = SM(load_part)(c3, rem); a31 = SM(load_part)(c3 + W, rem - W);
-        a40 = SM(load_part)(c4, rem); a41 = SM(load_part)(c4 + W, rem - W);
-        a50 = SM(load_part)(c5, rem); a51 = SM(load_part)(c5 + W, rem - W);
-    } else {
-        a00 = a01 = a10 = a11 = a20 = a21 = ZERO();
-        a30 = a31 = a40 = a41 = a50 = a51 = ZERO();
-    }
+    a00 = a01 = a10 = a11 = a20 = a21 = ZERO();
+    a30 = a31 = a40 = a41 = a50 = a51 = ZERO();
     const ELT *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5];
     for (int64_t j = 0; j < k; j++) {
         VEC v0 = LOADU(b + j * PW), v1 = LOADU(b + j * PW + W);
@@ -317,8 +309,13 @@ AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p,
     }
     VEC r[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
     for (int i = 0; i < nrows; i++) {
-        SM(store_part)(C + i * ldc, r[2 * i], rem);
-        SM(store_part)(C + i * ldc + W, r[2 * i + 1], rem - W);
+        VEC lo = r[2 * i], hi = r[2 * i + 1];
+        if (acc) {
+            lo = ADD(lo, SM(load_part)(C + i * ldc, rem));
+            hi = ADD(hi, SM(load_part)(C + i * ldc + W, rem - W));
+        }
+        SM(store_part)(C + i * ldc, lo, rem);
+        SM(store_part)(C + i * ldc + W, hi, rem - W);
     }
 }
 
