@@ -14,6 +14,11 @@ Float32 blocks of at most 128 rows skip BLAS: csrc/fa_proj.c reads the
 weights in place (register-blocked dot products, AVX2/FMA) instead of packing
 them on every call, which is what makes few-row gemms slow.
 
+Prepacked float32 weights (a frozen layer's, :func:`pack_f32`): given to
+``linear`` as ``wp``, every block reads them through csrc/fa_proj.c's packed
+kernel instead (faster than both of the above at every row count measured),
+with the same blocking, threads and stop callback.
+
 Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
 (of rows, or of columns when there are few rows) that fastattn's worker pool
 hands out one at a time; each block is one single-threaded gemm, and BLAS is
