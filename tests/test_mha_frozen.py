@@ -299,3 +299,39 @@ def test_simd_disabled_by_environment():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
 
+
+
+@pytest.mark.parametrize("kc, mc", [(7, 5), (64, 0), (0, 13)])
+def test_linear_packed_cache_blocking(simd_mode, kc, mc, rng):
+    """The split paths of the packed kernel (k in chunks: later chunks add into y; rows in
+    chunks) give the same products (fa_proj_packed_tune, process-wide: restored)."""
+    prev = _proj.set_tuning(packed_kc=kc, packed_mc=mc)
+    try:
+        for M, N, K in ((13, 33, 29), (100, 48, 130), (1, 17, 8)):
+            x = randn(rng, (1, M, K), np.float32)
+            w = randn(rng, (N, K), np.float32)
+            b = randn(rng, (N,), np.float32)
+            y = np.empty((1, M, N), np.float32)
+            _proj.linear(x, w, b, y, 2, _multihead.pack_weight(w))
+            assert_close(y, x.astype(np.float64) @ w.T.astype(np.float64) + b, np.float32)
+    finally:
+        _proj.set_tuning(packed_kc=prev["packed_kc"], packed_mc=prev["packed_mc"])
+    assert _proj.set_tuning()["packed_mc"] == prev["packed_mc"]
+
+
+@pytest.mark.parametrize("E, extra", [(512, 0.0), (48, 0.0), (24, 1.0)])
+def test_frozen_memory_is_about_one_more_copy(E, extra, rng):
+    """The packed copies: one more copy of the projection weights (rounded up to 16-row
+    panels); when the key/value rows do not start a panel they are packed on their own too."""
+    m = MultiHeadAttention(E, 4 if E % 16 else 8, seed=0).freeze()
+    pk = m._prepared_weights().packed
+    weight_bytes = sum(a.nbytes for n, a in m.params.items() if n.endswith("weight"))
+    bases = {}
+    for a in pk:
+        if a is not None:
+            base = a.base if a.base is not None else a
+            bases[id(base)] = base.nbytes
+    packed_bytes = sum(bases.values())
+    assert packed_bytes <= (1.0 + extra) * weight_bytes * 1.34 + 64 * len(bases)
+    if E == 512:  # a multiple of 16: just the one copy (plus alignment slack)
+        assert packed_bytes <= weight_bytes + 128 * len(bases)
