@@ -35,7 +35,10 @@ fastattn's own, canonical by construction; only the user's masks are checked
 (here, once) and brought into the kernel's layout (``functional._kernel_mask``).
 A layer validates its weights once (:func:`prepare_weights`) and calls
 :func:`multi_head_attention_prepared`, which checks only the inputs and sends
-anything not plain to :func:`multi_head_attention` itself.
+anything not plain to :func:`multi_head_attention` itself.  A frozen layer's
+prepared weights also hold its float32 projection weights packed once
+(``prepare_weights(pack=True)``, :class:`PackedWeights`) for the projection
+kernel's packed path (:func:`fastattn._proj.linear`'s ``wp``).
 
 Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
 count of every step.  The projection GEMMs are cut into blocks that run on the

@@ -335,3 +335,16 @@ def test_frozen_memory_is_about_one_more_copy(E, extra, rng):
     assert packed_bytes <= (1.0 + extra) * weight_bytes * 1.34 + 64 * len(bases)
     if E == 512:  # a multiple of 16: just the one copy (plus alignment slack)
         assert packed_bytes <= weight_bytes + 128 * len(bases)
+
+
+def test_frozen_zero_feature_keys_and_empty_batches(rng):
+    m = randomise(MultiHeadAttention(16, 2, kdim=0, vdim=5, seed=0), rng)
+    f = copy.deepcopy(m).freeze()
+    assert f._prepared_weights().packed is not None
+    x = randn(rng, (2, 3, 16), np.float32)
+    k = np.zeros((2, 4, 0), np.float32)
+    v = randn(rng, (2, 4, 5), np.float32)
+    np.testing.assert_allclose(f(x, k, v), m(x, k, v), rtol=2e-5, atol=2e-5)
+    g = randomise(MultiHeadAttention(16, 2, seed=0), rng).freeze()
+    assert g(np.zeros((0, 3, 16), np.float32)).shape == (0, 3, 16)
+    assert g(np.zeros((2, 0, 16), np.float32)).shape == (2, 0, 16)
