@@ -170,7 +170,9 @@ def test_linear_packed_strided_batches_and_output(simd_mode, rng):
 def test_freeze_makes_parameters_read_only(rng):
     m = randomise(MultiHeadAttention(32, 4, seed=0), rng)
     assert not m.frozen
+    params = m.params
     assert m.freeze() is m and m.frozen
+    assert m.params is params  # the same dict, the same arrays: only their flags changed
     for name, a in m.params.items():
         assert not a.flags.writeable, name
         with pytest.raises(ValueError, match="read-only"):

@@ -210,6 +210,11 @@ class MultiHeadAttention:
         more when ``embed_dim`` or ``num_kv_heads * head_dim`` is not a
         multiple of 16, where key and value rows are packed on their own).
 
+        The promise is the caller's: a view of a parameter taken before
+        ``freeze()`` stays writeable, and writing through it (or setting
+        ``writeable`` back) is not seen by the packed copy; call
+        :meth:`unfreeze` first, edit, then freeze again.
+
         :meth:`load_state_dict` on a frozen layer loads new arrays, freezes
         them and repacks; replacing an entry of ``params`` is seen by the next
         call, which freezes the new array too.  Pickling and copying keep the
@@ -233,20 +238,25 @@ class MultiHeadAttention:
         return self
 
     def _freeze_params(self):
-        """Every ndarray in ``params`` read-only (a private copy for one that does not
-        own its memory), in a new dict."""
+        """Every ndarray in ``params`` read-only; one that does not own its memory
+        (a view of someone's array) is replaced in ``params`` by a private copy."""
         flipped = getattr(self, "_flipped", None)
         if flipped is None:
             flipped = self._flipped = []
-        new = {}
-        for name, a in self.params.items():
+        params = self.params
+        copies = {}
+        for name, a in params.items():
             if isinstance(a, np.ndarray) and a.flags.writeable:
                 if a.base is not None or not a.flags.owndata:
-                    a = a.copy()
+                    a = copies[name] = a.copy()
                 a.flags.writeable = False
                 flipped.append(a)
-            new[name] = a
-        self.params = new
+        if copies:
+            try:  # in place: a reference to the dict stays this layer's
+                for name, a in copies.items():
+                    params[name] = a
+            except TypeError:  # a read-only mapping
+                self.params = {**params, **copies}
 
     def load_state_dict(self, state_dict, *, prefix=""):
         """Load parameters from a mapping of names to arrays (or torch tensors).
