@@ -5,6 +5,8 @@ Self-attention, E = 512, H = 8, float32, one pytest-benchmark group per
 seeded ``fastattn.layers.MultiHeadAttention`` with non-zero biases):
 
 * ``fastattn``: ``layer(x)`` (``fastattn.multi_head_attention`` underneath);
+* ``fastattn_frozen``: the same layer after ``freeze()`` (read-only weights,
+  the projection weights prepacked once for the projection kernel);
 * ``fastattn_weights`` (at (8, 128) only): ``layer(x, return_weights=True)``,
   the head-averaged weights computed on the same kernel;
 * ``numpy``: plain NumPy in float32 (packed QKV GEMM, head split, softmax,
@@ -31,6 +33,7 @@ still spinning from one library do not slow the next one down.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import time
@@ -49,7 +52,7 @@ ort = _bench.load_ort()
 E, H = 512, 8
 SHAPES = ((1, 16), (1, 128), (8, 128), (4, 512), (1, 1024))
 WEIGHTS_SHAPE = (8, 128)
-IMPLS = ("fastattn", "torch", "ort", "numpy")
+IMPLS = ("fastattn", "fastattn_frozen", "torch", "ort", "numpy")
 TOLERANCE = (1e-4, 1e-5)  # (rtol, atol) against the float64 oracle, float32 results
 TORCH_MAX_ABS_DIFF = 1e-5
 
@@ -66,6 +69,11 @@ def layer() -> MultiHeadAttention:
     sd["in_proj_bias"] = (rng.standard_normal(3 * E) * 0.1).astype(np.float32)
     sd["out_proj.bias"] = (rng.standard_normal(E) * 0.1).astype(np.float32)
     return m.load_state_dict(sd)
+
+
+@functools.lru_cache(maxsize=1)
+def frozen_layer() -> MultiHeadAttention:
+    return copy.deepcopy(layer()).freeze()
 
 
 @functools.lru_cache(maxsize=2)
@@ -152,6 +160,9 @@ def _callable(impl, x):
     m = layer()
     if impl == "fastattn":
         return lambda: m(x)
+    if impl == "fastattn_frozen":
+        f = frozen_layer()
+        return lambda: f(x)
     if impl == "fastattn_weights":
         return lambda: m(x, return_weights=True)
     if impl == "numpy":

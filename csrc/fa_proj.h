@@ -19,4 +19,42 @@ int fa_proj_small_available(void);
 int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                       const float *w, int64_t ldw, const float *b, float *y, int64_t ldy);
 
+/* Prepacked weights (fa_proj_pack_f32 / fa_proj_packed_f32).  The packed form
+ * of w (n x k) is FA_PROJ_PANEL-column panels, panel p holding for every input
+ * feature c the FA_PROJ_PANEL values w[p*FA_PROJ_PANEL + jj][c] (zeros past
+ * row n): fa_proj_packed_size(n, k) floats.  Portable C; any n, k >= 0. */
+#define FA_PROJ_PANEL 16
+
+static inline int64_t fa_proj_packed_size(int64_t n, int64_t k)
+{
+    return (n + FA_PROJ_PANEL - 1) / FA_PROJ_PANEL * FA_PROJ_PANEL * k;
+}
+
+void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *wp);
+
+/* 1 when this build and CPU can run fa_proj_packed_f32 (AVX2 + FMA). */
+int fa_proj_packed_available(void);
+
+/* Columns [c0, c0 + n) of y = x . w^T (+ b) from w's packed form wp (of the
+ * whole k): y[i, j] = sum_p x[i, p] * w[c0 + j, p] + b[c0 + j], i < m, j < n;
+ * c0 a multiple of FA_PROJ_PANEL; b (NULL: none) and y point at column c0.
+ * y must not overlap x, wp, b.  Returns 0, or FA_PROJ_EINVAL (not available,
+ * an empty size, a misaligned c0). */
+int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                       const float *wp, int64_t c0, const float *b, float *y, int64_t ldy);
+
+/* Cache blocking of fa_proj_packed_f32: k in chunks of kc, rows in chunks of
+ * mc (0: no split); fa_proj_packed_tune changes them (tuning sweeps).  Measured
+ * (one thread, K = 512, N = 512 / 1536): splitting k (128, 256) was slower at
+ * every size (59-73 vs 90 GFLOP/s at 2048 x 1536); rows in chunks of 48-144
+ * keep x's chunk in L2 and gave 96-98.5 GFLOP/s at 2048 rows against 90-93
+ * unsplit (no difference up to 512 rows). */
+#ifndef FA_PROJ_PACKED_KC
+#define FA_PROJ_PACKED_KC 0
+#endif
+#ifndef FA_PROJ_PACKED_MC
+#define FA_PROJ_PACKED_MC 96
+#endif
+void fa_proj_packed_tune(int64_t kc, int64_t mc);
+
 #endif

@@ -35,7 +35,10 @@ fastattn's own, canonical by construction; only the user's masks are checked
 (here, once) and brought into the kernel's layout (``functional._kernel_mask``).
 A layer validates its weights once (:func:`prepare_weights`) and calls
 :func:`multi_head_attention_prepared`, which checks only the inputs and sends
-anything not plain to :func:`multi_head_attention` itself.
+anything not plain to :func:`multi_head_attention` itself.  A frozen layer's
+prepared weights also hold its float32 projection weights packed once
+(``prepare_weights(pack=True)``, :class:`PackedWeights`) for the projection
+kernel's packed path (:func:`fastattn._proj.linear`'s ``wp``).
 
 Threads: ``n_threads`` (see :func:`fastattn.get_num_threads`) is the thread
 count of every step.  The projection GEMMs are cut into blocks that run on the
@@ -157,6 +160,7 @@ class _Prepared(NamedTuple):
     n_threads: int
     cdt: np.dtype
     rdt: np.dtype
+    packed: object = None  # PackedWeights of prepared, frozen weights (float32), or None
 
 
 def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
@@ -306,7 +310,11 @@ def _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value
         return None if a is None else canonical_matrix_stack(a, cdt)
 
     def vec(a):
-        return None if a is None else np.ascontiguousarray(a, dtype=cdt)
+        if a is None:
+            return None
+        if a.dtype == cdt and a.flags.c_contiguous and a.flags.aligned:
+            return a  # (ascontiguousarray copies an unpickled array: its dtype is equal, not identical)
+        return np.ascontiguousarray(a, dtype=cdt)
 
     wp, wq, wk, wv, wo = mat(wp), mat(wq), mat(wk), mat(wv), mat(wo)
     bp, bq, bk, bv, bo = vec(bp), vec(bq), vec(bk), vec(bv), vec(bo)
@@ -370,12 +378,15 @@ def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
     return _kernel_mask(mask, kind, Lk, cdt)
 
 
-def _linear(x, w, b, rows_out, n_threads):
-    """x (nb, M, K) @ w.T + b into a new (nb, M, rows_out) array."""
+def _linear(x, w, b, rows_out, n_threads, wp=None):
+    """x (nb, M, K) @ w.T + b into a new (nb, M, rows_out) array (``wp``: w packed, or None)."""
     nb, M = x.shape[0], x.shape[1]
     y = np.empty((nb, M, rows_out), dtype=w.dtype)
     if nb * M and rows_out:
-        _proj.linear(x, w, b, y, n_threads)
+        if wp is None:
+            _proj.linear(x, w, b, y, n_threads)
+        else:
+            _proj.linear(x, w, b, y, n_threads, wp)
     return y
 
 
@@ -390,25 +401,27 @@ def _project_heads(p: _Prepared):
     B, Lq, Lk, E, H, Hkv, dh = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh
     kvE = Hkv * dh
     nt = p.n_threads
+    pk = p.packed if p.packed is not None else _NO_PACKED
     _threads.ensure_blas_hook()
     attn = np.empty((B, Lq, E), dtype=p.cdt)
     out = attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
     if p.self_attention and p.w_qkv is not None and Hkv == H:
-        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt, pk.qkv)  # one GEMM
         # (B, L, 3, H, dh) -> (3, B, H, L, dh): the three head views in one step
         hv = qkv.reshape(B, Lq, 3, H, dh).transpose(2, 0, 3, 1, 4)
         return hv[0], hv[1], hv[2], p.mask, out, attn
     if p.self_attention and p.w_qkv is not None:
-        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt)  # one GEMM
+        qkv = _linear(p.q, p.w_qkv, p.b_qkv, E + 2 * kvE, nt, pk.qkv)  # one GEMM
         qb, kb, vb = qkv[..., :E], qkv[..., E:E + kvE], qkv[..., E + kvE:]
     else:
-        qb = _linear(p.q, p.w_q, p.b_q, E, nt)
+        qb = _linear(p.q, p.w_q, p.b_q, E, nt, pk.q)
         if p.kv_shared and p.w_qkv is not None:  # keys and values in one GEMM
-            kv = _linear(p.k, p.w_qkv[E:], None if p.b_qkv is None else p.b_qkv[E:], 2 * kvE, nt)
+            kv = _linear(p.k, p.w_qkv[E:], None if p.b_qkv is None else p.b_qkv[E:], 2 * kvE,
+                         nt, pk.kv)
             kb, vb = kv[..., :kvE], kv[..., kvE:]
         else:
-            kb = _linear(p.k, p.w_k, p.b_k, kvE, nt)
-            vb = _linear(p.v, p.w_v, p.b_v, kvE, nt)
+            kb = _linear(p.k, p.w_k, p.b_k, kvE, nt, pk.k)
+            vb = _linear(p.v, p.w_v, p.b_v, kvE, nt, pk.v)
 
     def heads(buf, L, n):  # (B, L, n * dh) -> (B, n, L, dh), a view
         return buf.reshape(B, L, n, dh).transpose(0, 2, 1, 3)
@@ -539,7 +552,8 @@ def _forward(p: _Prepared):
     """Projections, attention and output projection of a prepared call."""
     q, k, v, mask, out_view, attn = _project_heads(p)
     weights = _attend(p, q, k, v, mask, out_view)
-    y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads)
+    y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads,
+                None if p.packed is None else p.packed.out)
     if p.rdt != p.cdt:
         y = y.astype(p.rdt)
     if not p.batched:
@@ -565,6 +579,58 @@ def _forward(p: _Prepared):
 # call).  Anything else goes through multi_head_attention itself, so every
 # error is the general path's, worded the same.
 
+class PackedWeights(NamedTuple):
+    """The float32 projection weights of prepared weights in the packed layout of
+    csrc/fa_proj.h (1-D read-only arrays, :func:`pack_weight`), one per product
+    that :func:`_project_heads` runs; None where that product cannot occur."""
+
+    qkv: object   # w_qkv (self-attention, one product), or None (separate weights)
+    q: object     # the query rows (w_qkv[:E] or w_query)
+    k: object
+    v: object
+    kv: object    # w_qkv[E:] (key is value), or None (separate weights)
+    out: object   # w_out
+
+
+_NO_PACKED = PackedWeights(None, None, None, None, None, None)
+
+
+def pack_weight(w: np.ndarray) -> np.ndarray:
+    """The packed form of a canonical float32 ``(N, K)`` weight (csrc/fa_proj.h's
+    layout): a new read-only 1-D array of ``_proj.packed_size(N, K)`` floats,
+    64-byte aligned."""
+    size = _proj.packed_size(w.shape[0], w.shape[1])
+    buf = np.empty(size + 16, np.float32)
+    off = (-buf.ctypes.data % 64) // 4
+    wp = buf[off:off + size]
+    _proj.pack_f32(w, wp)
+    wp.flags.writeable = False
+    return wp
+
+
+def _packed_rows(wp_full, w_full, r0, r1):
+    """The packed form of rows [r0, r1) of ``w_full`` (packed: ``wp_full``): a view
+    when r0 starts a panel, else packed on its own."""
+    K = w_full.shape[1]
+    if r0 % _proj.PANEL == 0:
+        return wp_full[r0 * K:r0 * K + _proj.packed_size(r1 - r0, K)]
+    return pack_weight(w_full[r0:r1])
+
+
+def _pack_prepared(p: _Prepared) -> PackedWeights:
+    """Every projection weight of a float32 _Prepared, packed (views where they can be)."""
+    if p.w_qkv is not None:
+        E, kvE, wf = p.E, p.Hkv * p.dh, p.w_qkv
+        full = pack_weight(wf)
+        rows = wf.shape[0]
+        return PackedWeights(full, _packed_rows(full, wf, 0, E),
+                             _packed_rows(full, wf, E, E + kvE),
+                             _packed_rows(full, wf, E + kvE, rows),
+                             _packed_rows(full, wf, E, rows), pack_weight(p.w_out))
+    return PackedWeights(None, pack_weight(p.w_q), pack_weight(p.w_k), pack_weight(p.w_v), None,
+                         pack_weight(p.w_out))
+
+
 class MultiHeadWeights(NamedTuple):
     """Validated, canonical weights of one ``multi_head_attention`` signature
     (see :func:`prepare_weights`); internal to fastattn."""
@@ -575,6 +641,7 @@ class MultiHeadWeights(NamedTuple):
     vdim: int
     kwargs: dict          # the weights as given (for the general path)
     copied: bool          # some weight was copied or cast to become canonical
+    packed: object = None  # PackedWeights (prepare_weights(pack=True), float32), or None
 
 
 _WEIGHT_NAMES = ("w_qkv", "b_qkv", "w_query", "w_key", "w_value", "b_query", "b_key",
@@ -582,10 +649,17 @@ _WEIGHT_NAMES = ("w_qkv", "b_qkv", "w_query", "w_key", "w_value", "b_query", "b_
 
 
 def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=None,
-                    **weights) -> MultiHeadWeights:
+                    pack=False, **weights) -> MultiHeadWeights:
     """Validate and canonicalise the weights of calls with ``(.., E)`` queries,
     ``(.., kdim)`` keys and ``(.., vdim)`` values of ``dtype`` (the arguments of
-    :func:`multi_head_attention`, which raises the same errors)."""
+    :func:`multi_head_attention`, which raises the same errors).
+
+    ``pack``: also keep float32 projection weights in the packed layout of the
+    projection kernel (:class:`PackedWeights`, about one more copy of them),
+    read by every call on these prepared weights while fastattn's SIMD
+    dispatch is on.  The caller promises that the weights' values do not
+    change afterwards (the packed copy would not see it); float64 computations
+    have no packed kernel, so ``pack`` is then ignored."""
     unknown = sorted(set(weights) - set(_WEIGHT_NAMES))
     if unknown:
         raise TypeError(f"prepare_weights: unknown weight names {unknown}")
@@ -603,7 +677,8 @@ def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=Non
         given.update(w_query=p.w_q, w_key=p.w_k, w_value=p.w_v, b_query=p.b_q, b_key=p.b_k,
                      b_value=p.b_v)
     copied = any(given[n] is not kw[n] for n in given)
-    return MultiHeadWeights(p, dtype, kdim, vdim, kw, copied)
+    packed = _pack_prepared(p) if pack and p.cdt == np.float32 else None
+    return MultiHeadWeights(p, dtype, kdim, vdim, kw, copied, packed)
 
 
 def _prepare_with(wts: MultiHeadWeights, query, key, value, attn_mask, key_mask, is_causal,
@@ -646,7 +721,7 @@ def _prepare_with(wts: MultiHeadWeights, query, key, value, attn_mask, key_mask,
     return _Prepared(qc, kc, vc, self_attention, kv_shared, w.w_qkv, w.b_qkv, w.w_q, w.w_k,
                      w.w_v, w.b_q, w.b_k, w.b_v, w.w_out, w.b_out, mask, B, Lq, Lk, w.E, w.H,
                      w.Hkv, w.dh, w.E_out, nd == 3, is_causal, return_weights, average_weights,
-                     w.scale, causal_alignment, nt, cdt, w.rdt)
+                     w.scale, causal_alignment, nt, cdt, w.rdt, wts.packed)
 
 
 def multi_head_attention_prepared(weights: MultiHeadWeights, query, key, value, *,

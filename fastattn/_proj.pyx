@@ -14,6 +14,11 @@ Float32 blocks of at most 128 rows skip BLAS: csrc/fa_proj.c reads the
 weights in place (register-blocked dot products, AVX2/FMA) instead of packing
 them on every call, which is what makes few-row gemms slow.
 
+Prepacked float32 weights (a frozen layer's, :func:`pack_f32`): given to
+``linear`` as ``wp``, every block reads them through csrc/fa_proj.c's packed
+kernel instead (faster than both of the above at every row count measured),
+with the same blocking, threads and stop callback.
+
 Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
 (of rows, or of columns when there are few rows) that fastattn's worker pool
 hands out one at a time; each block is one single-threaded gemm, and BLAS is
@@ -62,6 +67,15 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
     int fa_proj_small_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                           const float *w, int64_t ldw, const float *b, float *y, int64_t ldy)
+    int64_t fa_proj_packed_size(int64_t n, int64_t k)
+    void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *wp)
+    int fa_proj_packed_available()
+    void fa_proj_packed_tune(int64_t kc, int64_t mc)
+    int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                           const float *wp, int64_t c0, const float *b, float *y, int64_t ldy)
+    int FA_PROJ_PANEL
+    int FA_PROJ_PACKED_KC
+    int FA_PROJ_PACKED_MC
 
 # this module's copy of fastattn._kernels' pool, BLAS hold and SIMD switch
 # (fastattn/_runtime.pxd): a C static, so all NULL until set_runtime
@@ -79,6 +93,11 @@ cdef int g_blocks_per_thread = 2
 cdef int g_min_block_rows = 64
 cdef int g_min_block_cols = 128
 cdef int g_small_m = 128
+# float32 blocks of at most packed_m rows use the prepacked weights when the
+# caller has them (linear's ``wp``); measured faster than both the few-row
+# kernel and sgemm at every row count (one thread, K = 512, N = 512 / 1536:
+# 95-99 GFLOP/s from 4 rows up, against 80-87 few-row and ~90 sgemm), so no limit.
+cdef int g_packed_m = 2147483647
 # Below this many flops a call runs on the calling thread alone -- unless the
 # weights have PARALLEL_MIN_WEIGHTS elements or more: a few-row product reads
 # all of them once, from L3 or memory, and two cores read twice as fast (one
@@ -93,11 +112,30 @@ DEF PARALLEL_MIN_WEIGHTS = 131072
 DEF MAX_BLOCK_FLOPS = 1000000000.0
 
 
-def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None):
-    """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict."""
-    global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m
+cdef int64_t g_packed_kc = FA_PROJ_PACKED_KC
+cdef int64_t g_packed_mc = FA_PROJ_PACKED_MC
+
+
+def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None,
+               packed_m=None, packed_kc=None, packed_mc=None):
+    """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict.
+
+    ``packed_kc`` / ``packed_mc``: csrc/fa_proj.c's cache blocking of the
+    packed kernel (0: no split); process-wide, set them only with no call running.
+    """
+    global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m, g_packed_m
+    global g_packed_kc, g_packed_mc
     prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
-                min_block_cols=g_min_block_cols, small_m=g_small_m)
+                min_block_cols=g_min_block_cols, small_m=g_small_m, packed_m=g_packed_m,
+                packed_kc=g_packed_kc, packed_mc=g_packed_mc)
+    if packed_m is not None:
+        g_packed_m = max(0, int(packed_m))
+    if packed_kc is not None or packed_mc is not None:
+        if packed_kc is not None:
+            g_packed_kc = max(0, int(packed_kc))
+        if packed_mc is not None:
+            g_packed_mc = max(0, int(packed_mc))
+        fa_proj_packed_tune(g_packed_kc, g_packed_mc)
     if blocks_per_thread is not None:
         g_blocks_per_thread = max(1, int(blocks_per_thread))
     if min_block_rows is not None:
@@ -122,6 +160,8 @@ ctypedef struct lin_ctx:
     int cb, nbc               # column block size, column blocks
     int64_t item
     int small                 # use fa_proj_small_f32
+    char *wp                  # the packed weights (fa_proj_pack_f32), or NULL
+    int packed                # use fa_proj_packed_f32 on wp
     int status                # first non-zero status of fa_proj_small_f32 (0: all ran)
 
 
@@ -143,6 +183,39 @@ def small_kernel_active():
 
 def runtime_installed():
     return g_rt.pool_run != NULL
+
+
+def packed_kernel_active():
+    """True when float32 products given packed weights (``linear(.., wp=)``) use them."""
+    return runtime_simd(&g_rt) and fa_proj_packed_available() != 0
+
+
+PANEL = FA_PROJ_PANEL
+
+
+def packed_size(int64_t N, int64_t K):
+    """Elements (float32) of the packed form of an (N, K) weight: N rounded up to 16, times K."""
+    return fa_proj_packed_size(N, K)
+
+
+def pack_f32(cnp.ndarray w, cnp.ndarray wp):
+    """Write the packed form of the float32 weight ``w`` (N, K) into ``wp``.
+
+    w: 2-D float32, last axis contiguous, row stride >= K (a single row any);
+    wp: 1-D contiguous float32 of :func:`packed_size` (N, K) elements, not
+    overlapping w.  Layout (csrc/fa_proj.h): panels of 16 rows of w, panel p
+    holding for each input feature c the 16 values ``w[16 p + jj, c]``, zeros
+    past row N; rows ``[16 q, N)`` of w are the packed form from element
+    ``16 q K`` on.  Portable C (no SIMD needed).  Returns ``wp``.
+    """
+    cdef int64_t N = cnp.PyArray_DIMS(w)[0]
+    cdef int64_t K = cnp.PyArray_DIMS(w)[1]
+    cdef int64_t ldw = _rows_ld(w, K)
+    cdef const float *src = <const float *>cnp.PyArray_DATA(w)
+    cdef float *dst = <float *>cnp.PyArray_DATA(wp)
+    with nogil:
+        fa_proj_pack_f32(N, K, src, ldw, dst)
+    return wp
 
 
 cdef inline int64_t _rows_ld(cnp.ndarray a, int64_t cols) noexcept:
@@ -180,6 +253,13 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
     cdef int rc
+    if c.packed:
+        rc = fa_proj_packed_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
+                                <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                                <float *>y, c.ldy)
+        if rc != 0:
+            fa_store_status(&c.status, rc)
+        return
     if c.small:
         rc = fa_proj_small_f32(m, n, c.K, <float *>x, c.ldx, <float *>w, c.ldw,
                                <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
@@ -200,8 +280,15 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
               &beta_d, <double *>y, &c.ldy)
 
 
-def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads):
+def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
+           object wp=None):
     """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
+
+    ``wp`` (float32 only): ``w``'s packed form (:func:`pack_f32`, or a slice of
+    a larger weight's from a row that is a multiple of 16); when given and the
+    packed kernel is active (:func:`packed_kernel_active`), blocks of up to
+    ``packed_m`` rows read it instead of ``w`` -- same blocking, same threads.
+    The caller keeps ``wp`` equal to ``w``'s packed form.
 
     x: (nb, M, K), w: (N, K), b: (N,) or None, y: (nb, M, N); one float dtype
     (float32 or float64); last axes contiguous, row strides positive and at
@@ -290,7 +377,11 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
     c.nbm = (c.M + c.mb - 1) // c.mb
     c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
-    c.small = c.f32 and c.mb <= g_small_m and runtime_simd(&g_rt) and fa_proj_small_available() != 0
+    c.wp = NULL if wp is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>wp)
+    c.packed = (c.f32 and c.wp != NULL and c.mb <= g_packed_m and runtime_simd(&g_rt)
+                and fa_proj_packed_available() != 0)
+    c.small = (not c.packed and c.f32 and c.mb <= g_small_m and runtime_simd(&g_rt)
+               and fa_proj_small_available() != 0)
     c.status = 0
     cdef int64_t t
     cdef interrupt_state intr
@@ -305,6 +396,7 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads)
         runtime_release(&g_rt, hook)
     interrupt_raise(&intr)
     if c.status != 0:
-        raise RuntimeError(f"fastattn._proj: the few-row kernel rejected its arguments "
+        raise RuntimeError(f"fastattn._proj: the {'packed' if c.packed else 'few-row'} kernel "
+                           f"rejected its arguments "
                            f"(status {c.status}; M={c.M}, N={c.N}, K={c.K})")
     return ntasks

@@ -104,6 +104,10 @@ class MultiHeadAttention:
     their values in place is seen by the next call, and replacing an array
     (or the dict, or ``load_state_dict``) prepares them again.
 
+    :meth:`freeze` (opt-in, for inference with fixed weights) makes the
+    parameter arrays read-only and keeps the float32 projection weights also
+    in the projection kernel's packed layout, which is faster; see there.
+
     Calling the layer: ``mha(query, key=None, value=None, *, attn_mask=None,
     key_mask=None, is_causal=False, return_weights=False)`` with batch-first
     ``(B, L, features)`` or unbatched ``(L, features)`` inputs; ``key``
@@ -136,6 +140,8 @@ class MultiHeadAttention:
         self.packed = self.kdim == E and self.vdim == E
         self.params = self._init_params(np.random.default_rng(seed))
         self._prepared = None  # see _prepared_weights
+        self._frozen = False   # see freeze
+        self._flipped = []     # the arrays freeze made read-only (unfreeze restores them)
 
     # ------------------------------------------------------------ parameters
     def param_shapes(self) -> dict:
@@ -172,8 +178,85 @@ class MultiHeadAttention:
         return params
 
     def state_dict(self) -> dict:
-        """``{name: array}``: copies of the parameters (PyTorch's names)."""
+        """``{name: array}``: copies of the parameters (PyTorch's names).
+
+        Writeable, independent copies, frozen layer or not: writing to them
+        never reaches the layer (load them back with :meth:`load_state_dict`).
+        """
         return {name: a.copy() for name, a in self.params.items()}
+
+    # ---------------------------------------------------------------- freeze
+    @property
+    def frozen(self) -> bool:
+        """True between :meth:`freeze` and :meth:`unfreeze`."""
+        return getattr(self, "_frozen", False)
+
+    def freeze(self):
+        """Promise that the parameters will not change, for faster calls.
+
+        The parameter arrays become read-only (``writeable=False``: writing
+        into one raises NumPy's ``ValueError: assignment destination is
+        read-only``; an array that does not own its memory is first replaced
+        in ``params`` by a private copy), and float32 layers keep their
+        projection weights also in the packed layout of fastattn's projection
+        kernel (csrc/fa_proj.h), made here once instead of being read in place
+        or repacked by BLAS on every call.  Outputs equal the unfrozen layer's
+        within float32 rounding; with SIMD off (``FASTATTN_DISABLE_SIMD``) or
+        on a CPU without AVX2/FMA, and for float64 layers or inputs, calls take
+        the unfrozen path.
+
+        Memory: a frozen float32 layer holds about twice its weight bytes (the
+        packed copy, output columns rounded up to multiples of 16; a little
+        more when ``embed_dim`` or ``num_kv_heads * head_dim`` is not a
+        multiple of 16, where key and value rows are packed on their own).
+
+        The promise is the caller's: a view of a parameter taken before
+        ``freeze()`` stays writeable, and writing through it (or setting
+        ``writeable`` back) is not seen by the packed copy; call
+        :meth:`unfreeze` first, edit, then freeze again.
+
+        :meth:`load_state_dict` on a frozen layer loads new arrays, freezes
+        them and repacks; replacing an entry of ``params`` is seen by the next
+        call, which freezes the new array too.  Pickling and copying keep the
+        layer frozen (the packed copy is rebuilt, not stored); ``get_config``
+        does not record it.  :meth:`unfreeze` undoes it.  Returns ``self``.
+        """
+        self._frozen = True
+        self._freeze_params()
+        self._prepared = None
+        return self
+
+    def unfreeze(self):
+        """Make the parameters writeable again and drop the packed copy.  Returns ``self``."""
+        current = {id(a) for a in self.params.values()}
+        for a in getattr(self, "_flipped", ()):
+            if id(a) in current:
+                a.flags.writeable = True
+        self._flipped = []
+        self._frozen = False
+        self._prepared = None
+        return self
+
+    def _freeze_params(self):
+        """Every ndarray in ``params`` read-only; one that does not own its memory
+        (a view of someone's array) is replaced in ``params`` by a private copy."""
+        flipped = getattr(self, "_flipped", None)
+        if flipped is None:
+            flipped = self._flipped = []
+        params = self.params
+        copies = {}
+        for name, a in params.items():
+            if isinstance(a, np.ndarray) and a.flags.writeable:
+                if a.base is not None or not a.flags.owndata:
+                    a = copies[name] = a.copy()
+                a.flags.writeable = False
+                flipped.append(a)
+        if copies:
+            try:  # in place: a reference to the dict stays this layer's
+                for name, a in copies.items():
+                    params[name] = a
+            except TypeError:  # a read-only mapping
+                self.params = {**params, **copies}
 
     def load_state_dict(self, state_dict, *, prefix=""):
         """Load parameters from a mapping of names to arrays (or torch tensors).
@@ -208,6 +291,10 @@ class MultiHeadAttention:
                 raise ValueError(f"state_dict[{prefix + name!r}]: contains NaN or infinite values")
             new[name] = np.array(a, dtype=self.dtype, order="C", copy=True)
         self.params = new
+        if self.frozen:  # stays frozen: the new arrays read-only, repacked on the next call
+            self._flipped = []
+            self._freeze_params()
+            self._prepared = None
         return self
 
     # ---------------------------------------------------------------- config
@@ -259,10 +346,18 @@ class MultiHeadAttention:
                 kw.update(b_query=b[:E], b_key=b[E:E + kvE], b_value=b[E + kvE:])
         return kw
 
-    def __getstate__(self):  # pickling: the prepared weights are rebuilt on first use
+    def __getstate__(self):  # pickling: the prepared (and packed) weights are rebuilt on first use
         state = self.__dict__.copy()
         state["_prepared"] = None
+        state["_flipped"] = []
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._prepared = None
+        self._flipped = []
+        if self.frozen:  # unpickled arrays are writeable: freeze them again
+            self._freeze_params()
 
     def _prepared_weights(self):
         """The parameters validated and canonical (functional's prepared weights),
@@ -270,7 +365,9 @@ class MultiHeadAttention:
         objects, shapes and dtypes; their values may change in place: the
         prepared weights are those arrays, not copies).  None when they cannot
         be reused (a parameter that had to be copied or cast, or that is
-        invalid: the general path then checks and reports it on every call)."""
+        invalid: the general path then checks and reports it on every call).
+        A frozen layer's carry the packed projection weights as well; a
+        parameter array replaced since is frozen before they are made."""
         params = self.params
         cached = getattr(self, "_prepared", None)
         if cached is not None and cached[0] is params and len(params) == len(cached[1]):
@@ -283,12 +380,16 @@ class MultiHeadAttention:
                 return cached[2]
         if not isinstance(params, Mapping):
             return None
+        frozen = self.frozen
+        if frozen:
+            self._freeze_params()
+            params = self.params
         snapshot = tuple((name, a, getattr(a, "shape", None), getattr(a, "dtype", None))
                          for name, a in params.items())
         try:
             w = functional._prepare_mha_weights(
                 self.embed_dim, self.kdim, self.vdim, self.dtype, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, **self._weights())
+                num_kv_heads=self.num_kv_heads, pack=frozen, **self._weights())
         except (TypeError, ValueError, KeyError):
             w = None
         if w is not None and w.copied:
