@@ -7,9 +7,9 @@ and the frozen layer's QKV projection, output projection and whole forward
 for ``budget_s`` seconds each and prints the minimum and median in
 microseconds (alternating keeps both sides under the same load).
 """
-import copy, sys, time
+import copy, sys
 import numpy as np
-from fastattn import _multihead
+from fastattn import _bench, _multihead
 from fastattn.layers import MultiHeadAttention
 E, H = 512, 8
 NT = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -31,13 +31,7 @@ for s in (sys.argv[1] if len(sys.argv) > 1 else "1x16,1x128,8x128,4x512").split(
         "layer": (lambda: m(x, n_threads=NT), lambda: f(x, n_threads=NT)),
     }
     for name, (a, b) in cases.items():
-        a(); b()
-        ta, tb = [], []
-        end = time.perf_counter() + BUDGET
-        while time.perf_counter() < end or len(ta) < 10:
-            t0 = time.perf_counter(); a(); t1 = time.perf_counter(); b(); t2 = time.perf_counter()
-            ta.append(t1 - t0); tb.append(t2 - t1)
-        ta, tb = np.array(ta) * 1e6, np.array(tb) * 1e6
+        ta, tb = _bench.interleaved(a, b, BUDGET, 10)
         print(f"({B},{N}) {name:5s} n={len(ta):5d} unfrozen min {ta.min():8.1f} med {np.median(ta):8.1f} | "
               f"frozen min {tb.min():8.1f} med {np.median(tb):8.1f} us | med ratio x{np.median(ta) / np.median(tb):.2f}",
               flush=True)

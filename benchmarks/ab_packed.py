@@ -10,11 +10,10 @@ both sides under the same load when another process shares the machine;
 trust the minima more than the medians then.
 """
 import sys
-import time
 
 import numpy as np
 
-from fastattn import _multihead, _proj, _threads
+from fastattn import _bench, _multihead, _proj, _threads
 
 _threads.ensure_blas_hook()
 rng = np.random.default_rng(0)
@@ -35,13 +34,7 @@ for N in (512, 1536):
         for nt in (1, 2):
             a = lambda: _proj.linear(x, w, b, y, nt)
             p = lambda: _proj.linear(x, w, b, y, nt, wp)
-            a(); p()
-            ta, tp = [], []
-            end = time.perf_counter() + BUDGET
-            while time.perf_counter() < end or len(ta) < 5:
-                t0 = time.perf_counter(); a(); t1 = time.perf_counter(); p(); t2 = time.perf_counter()
-                ta.append(t1 - t0); tp.append(t2 - t1)
-            ta, tp = np.array(ta) * 1e6, np.array(tp) * 1e6
+            ta, tp = _bench.interleaved(a, p, BUDGET, 5)
             line += (f" | {nt}t cur {ta.min():8.1f}/{np.median(ta):8.1f} packed {tp.min():8.1f}/"
                      f"{np.median(tp):8.1f} x{ta.min() / tp.min():.2f}")
         print(line + "   (min/median us)", flush=True)

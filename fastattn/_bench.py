@@ -64,6 +64,7 @@ __all__ = [
     "gemm_callable",
     "gemm_gflops",
     "fma_peak_callable",
+    "interleaved",
     "fma_peak_gflops",
     "Case",
     "SUITE_CASES",
@@ -553,6 +554,26 @@ def gemm_gflops(dtype="float32", n=2048, n_threads=2, budget=1.0):
         t = time_call(run, budget)
     quiesce()
     return flops / t / 1e9, got.get("scipy")
+
+
+def interleaved(a, b, budget, min_rounds=5):
+    """A/B timing: ``a`` and ``b`` called alternately (after one warm-up call
+    each) for ``budget`` seconds and at least ``min_rounds`` rounds, so that
+    load changes on a shared machine hit both alike.  Returns two arrays of
+    call times in microseconds."""
+    a()
+    b()
+    ta, tb = [], []
+    end = time.perf_counter() + budget
+    while time.perf_counter() < end or len(ta) < min_rounds:
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return np.array(ta) * 1e6, np.array(tb) * 1e6
 
 
 PEAK_ITERS = 20000  # fma_probe iterations a task: 64 tasks of ~0.4 ms on one core

@@ -14,28 +14,11 @@ from fastattn.layers import MultiHeadAttention
 from conftest import assert_close, randn, run_child
 
 from test_mha_layer import oracle_of, randomise
+from test_mha_prepared import _masks  # the same mask kinds (a superset)
 
 LAYOUTS = {"packed": {}, "kdim_vdim": {"kdim": 6, "vdim": 10}, "gqa": {"num_kv_heads": 2},
            "no_bias": {"bias": False}}
 MASKS = ["none", "bool", "float_and_key_mask", "causal", "causal_br"]
-
-
-def _masks(kind, rng, B, H, Lq, Lk, dtype):
-    if kind == "none":
-        return {}
-    if kind == "bool":
-        am = rng.random((H, Lq, Lk)) > 0.3
-        am[0, 1] = False  # a fully masked row
-        return {"attn_mask": am}
-    if kind == "float_and_key_mask":
-        km = np.ones((B, Lk), bool)
-        km[-1, :2] = False
-        return {"attn_mask": randn(rng, (Lq, Lk), dtype), "key_mask": km}
-    if kind == "causal":
-        return {"is_causal": True}
-    if kind == "causal_br":
-        return {"is_causal": True, "causal_alignment": "bottom_right"}
-    raise ValueError(kind)
 
 
 @pytest.fixture
