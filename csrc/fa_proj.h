@@ -31,6 +31,12 @@ static inline int64_t fa_proj_packed_size(int64_t n, int64_t k)
 }
 
 void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *wp);
+/* Panels [p_begin, p_end) of that packed form (panel p: rows p * FA_PROJ_PANEL
+ * on), written into wp (the whole packed array); the same floats as
+ * fa_proj_pack_f32.  simd != 0 lets full panels use 8 x 8 AVX2 transposes
+ * (when the CPU has AVX2): 3x faster, for packing on every call. */
+void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                             const float *w, int64_t ldw, float *wp, int simd);
 
 /* 1 when this build and CPU can run fa_proj_packed_f32 (AVX2 + FMA). */
 int fa_proj_packed_available(void);

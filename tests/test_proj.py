@@ -171,3 +171,92 @@ def test_linear_empty_rows_or_columns_write_nothing(rng):
     x = randn(rng, (1, 3, 8), np.float32)
     y, blocks = _linear(x, np.zeros((0, 8), np.float32), None, 2)
     assert blocks == 0 and y.shape == (1, 3, 0)
+
+
+@pytest.fixture
+def pack_tuning():
+    prev = _proj.set_tuning()
+    yield
+    _proj.set_tuning(**prev)
+
+
+@pytest.mark.parametrize(("nb", "M", "N", "K", "strided"), [
+    (1, 64, 37, 33, False), (1, 65, 512, 64, False), (3, 40, 100, 17, False),
+    (2, 70, 129, 9, True), (1, 200, 1536, 64, False),
+])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_linear_packs_weights_per_call(simd_mode, pack_tuning, nb, M, N, K, strided, bias,
+                                       n_threads, rng):
+    """From pack_min_rows rows on (all batch items together), float32 products pack
+    w on the call's threads and take the packed kernel: the oracle's result, the
+    same as with per-call packing off (within float32 rounding), inputs unchanged."""
+    _threads.ensure_blas_hook()
+    w = randn(rng, (N, 2 * K if strided else K), np.float32)[:, :K]  # row stride != K
+    x = randn(rng, (nb, M, K), np.float32)
+    b = randn(rng, (N,), np.float32) if bias else None
+    copies = [a.copy() for a in (x, w) + ((b,) if bias else ())]
+    ref = np.einsum("bmk,nk->bmn", x.astype(np.float64), w.astype(np.float64))
+    if bias:
+        ref = ref + b
+    _proj.set_tuning(pack_min_rows=64)
+    y, _ = _linear(x, w, b, n_threads)
+    _proj.set_tuning(pack_min_rows=0)
+    y_off, _ = _linear(x, w, b, n_threads)
+    assert_close(y, ref, np.float32)
+    np.testing.assert_allclose(y, y_off, rtol=2e-5, atol=2e-5 * np.sqrt(K))
+    for a, c in zip((x, w) + ((b,) if bias else ()), copies):
+        np.testing.assert_array_equal(a, c)
+    if simd_mode == "simd" and _proj.packed_kernel_active():
+        assert not np.array_equal(y, y_off) or N * K < 64  # a different kernel ran
+
+
+def test_per_call_packing_scratch_is_per_thread(pack_tuning, rng):
+    """Threads packing different weights at the same time each use their own
+    scratch (a shared one would mix them); release_pack_buffer frees it."""
+    _threads.ensure_blas_hook()
+    _proj.set_tuning(pack_min_rows=1)
+    jobs = []
+    for i in range(4):
+        K, N = 24 + 8 * i, 48 + 16 * i
+        x = randn(rng, (1, 96, K), np.float32)
+        w = randn(rng, (N, K), np.float32)
+        jobs.append((x, w, np.einsum("bmk,nk->bmn", x.astype(np.float64), w.astype(np.float64))))
+    errors = []
+
+    def run(x, w, ref):
+        for _ in range(60):
+            y = np.empty(x.shape[:2] + (w.shape[0],), np.float32)
+            _proj.linear(x, w, None, y, 1)
+            if not np.allclose(y, ref, rtol=1e-4, atol=1e-4):
+                errors.append(float(np.abs(y - ref).max()))
+        _proj.release_pack_buffer()
+
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_per_call_packing_limits(pack_tuning, rng):
+    """Below pack_min_rows rows, or past pack_max_elems packed floats, no packing."""
+    _threads.ensure_blas_hook()
+    x = randn(rng, (1, 80, 32), np.float32)
+    w = randn(rng, (40, 32), np.float32)
+    ref = np.einsum("bmk,nk->bmn", x.astype(np.float64), w.astype(np.float64))
+    # (N rounded up to 16) x K = 48 x 32 packed floats; the scratch exists only
+    # once a call of this thread packed
+    cases = [({"pack_min_rows": 81}, False), ({"pack_min_rows": 80, "pack_max_elems": 48 * 32 - 1}, False),
+             ({"pack_min_rows": 80, "pack_max_elems": 48 * 32}, _proj.packed_kernel_active())]
+    for tuning, packs in cases:
+        _proj.release_pack_buffer()
+        _proj.set_tuning(**tuning)
+        y, _ = _linear(x, w, None, 2)
+        assert_close(y, ref, np.float32)
+        buf = getattr(_proj._tls, "buf", None)
+        assert (buf is not None) == packs, tuning
+        if packs:
+            assert buf.dtype == np.float32 and buf.size >= 48 * 32
+    _proj.release_pack_buffer()
