@@ -118,6 +118,10 @@ def linear(x, weight, bias=None, *, n_threads=None):
     (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
     never modified.  ``n_threads``: fastattn's thread count for products of
     more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
+    float32 products of 64 rows or more (AVX2 on) pack ``weight`` for the
+    projection kernel on every call, into a scratch buffer kept per calling
+    thread (at most 16 MB; ``fastattn._proj.release_pack_buffer()`` frees
+    this thread's).
     """
     x = x if isinstance(x, np.ndarray) else as_array(x, "x")
     w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
