@@ -34,13 +34,15 @@ static double rowmax_f64_scalar(const double *x, int64_t n)
 
 static float expsub_sum_f32_scalar(float *x, int64_t n, float m)
 {
-    float s = 0.0f;
+    /* summed in double: one float accumulator over a whole row (the AVX2
+     * version keeps 8) had 1.35x torch's rms error at 512 keys */
+    double s = 0.0;
     for (int64_t j = 0; j < n; j++) {
         float e = expf(x[j] - m);
         x[j] = e;
         s += e;
     }
-    return s;
+    return (float)s;
 }
 
 static double expsub_sum_f64_scalar(double *x, int64_t n, double m)
