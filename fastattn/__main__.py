@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-ort", dest="ort", action="store_false",
                        help="leave onnxruntime out even when it is installed")
     bench.add_argument("--no-gemm", dest="gemm", action="store_false",
-                       help="skip the GEMM measurement (no %%gemm column)")
+                       help="skip the GEMM and FMA-peak measurements (no %%gemm or %%peak column)")
     return parser
 
 

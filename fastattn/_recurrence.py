@@ -47,6 +47,22 @@ def _array(x, name):
     return a
 
 
+def _cell_state(c, name, cell, B, H, arrays):
+    """The LSTM cell state argument ``name`` checked as a (B, H) float array
+    (appended to ``arrays``), or None; any other cell refuses one."""
+    if cell != "lstm":
+        if c is not None:
+            raise ValueError(f"{name}: only an LSTM has a cell state, got one for cell {cell!r}")
+        return None
+    if c is None:
+        return None
+    c = _array(c, name)
+    if c.shape != (B, H):
+        raise ValueError(f"{name}: expected shape ({B}, {H}) (B, H), got {c.shape}")
+    arrays.append(c)
+    return c
+
+
 def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
              return_outputs=True, n_threads=None):
     """Run the recurrence of one RNN layer and direction over all time steps.
@@ -97,15 +113,7 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         if b.shape != (G * H,):
             raise ValueError(f"b_hh: expected shape ({G * H},), got {b.shape}")
         arrays.append(b)
-    c = None
-    if cell == "lstm":
-        if c0 is not None:
-            c = _array(c0, "c0")
-            if c.shape != (B, H):
-                raise ValueError(f"c0: expected shape ({B}, {H}) (B, H), got {c.shape}")
-            arrays.append(c)
-    elif c0 is not None:
-        raise ValueError(f"c0: only an LSTM has a cell state, got one for cell {cell!r}")
+    c = _cell_state(c0, "c0", cell, B, H, arrays)
     lens = None
     if lengths is not None:
         la = as_array(lengths, "lengths")
@@ -192,14 +200,7 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
             raise ValueError(f"{name}: expected shape ({G * H},), got {bb.shape}")
         arrays.append(bb)
         bs.append(bb)
-    if cell == "lstm":
-        if c is not None:
-            c = _array(c, "c")
-            if c.shape != (B, H):
-                raise ValueError(f"c: expected shape ({B}, {H}) (B, H), got {c.shape}")
-            arrays.append(c)
-    elif c is not None:
-        raise ValueError(f"c: only an LSTM has a cell state, got one for cell {cell!r}")
+    c = _cell_state(c, "c", cell, B, H, arrays)
     nt = _threads.resolve(n_threads)
     ct, rdt = _dtypes(*arrays)
     # before anything of the size of the state is copied or allocated
