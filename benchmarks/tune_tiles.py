@@ -2,7 +2,7 @@
 
 Run: python benchmarks/tune_tiles.py [long|mid|own].  "own" sweeps the
 streaming path with our packed products (SIMD on), the others the BLAS tiles.  Prints, per shape, every plan
-with its median time, GFLOP/s and ratio to the best; functional._plan encodes
+with its median time, GFLOP/s and ratio to the best; _sdpa._plan encodes
 the winners.
 """
 import sys, time, itertools

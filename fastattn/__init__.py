@@ -17,12 +17,10 @@ except ImportError as _exc:  # pragma: no cover - depends on how it was installe
     ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
 from .functional import Plan, attention, explain, multi_head_attention, scaled_dot_product_attention
-from . import similarity  # registers the built-in similarities
 from .registry import (available_similarities, get_similarity, register_similarity,
                        unregister_similarity)
 from .similarity import CompiledSimilarity, Similarity
-
-from . import layers  # noqa: E402  (pure Python: fastattn.layers.MultiHeadAttention)
+from . import layers  # the public subpackage fastattn.layers (pure Python)
 
 __version__ = "0.1.0"
 

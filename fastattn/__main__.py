@@ -13,11 +13,13 @@ import argparse
 import os
 import sys
 
+import fastattn
+
+from . import _bench, _demo
+
 
 def _bench_shape(text):
-    from ._bench import parse_shape
-
-    return parse_shape(text)
+    return _bench.parse_shape(text)
 
 
 def _positive_int(text):
@@ -33,19 +35,15 @@ def _positive_int(text):
 
 
 def _add_demo_args(p):
-    from ._demo import SCALE
-
     p.add_argument("--text", default=None,
                    help="sentence to attend over (default: a built-in one)")
-    p.add_argument("--scale", type=float, default=SCALE,
-                   help=f"softmax scale for the sentence (default {SCALE:g})")
+    p.add_argument("--scale", type=float, default=_demo.SCALE,
+                   help=f"softmax scale for the sentence (default {_demo.SCALE:g})")
     p.add_argument("--no-timing", dest="timing", action="store_false",
                    help="skip the timing comparison")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import fastattn
-
     parser = argparse.ArgumentParser(
         prog="fastattn",
         description="fastattn: fast CPU attention for NumPy.",
@@ -97,12 +95,8 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "demo":
-            from . import _demo
-
             text = _demo.SENTENCE if args.text is None else args.text
             return _demo.run(text, scale=args.scale, timing=args.timing)
-        from . import _bench
-
         return _bench.run_bench(
             shapes=tuple(args.shapes) if args.shapes else _bench.BENCH_SHAPES,
             dtype=args.dtype, causal=args.causal, budget=args.budget,

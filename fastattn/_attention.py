@@ -24,15 +24,15 @@ not take part in the dtype promotion).
 from __future__ import annotations
 
 import copy
+import ctypes
 import math
 
 import numpy as np
 
-from . import _threads, _validation, functional as _functional
+from . import _kernels, _masks, _sdpa, _threads, _validation
 from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
 from .registry import get_similarity
-from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity,
-                         Similarity, _fits)
+from .similarity import PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity, _fits
 
 try:
     from . import _scores
@@ -107,7 +107,7 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
             f"needs equal query and key features), got key of shape {k.shape}")
     # SDPA's own checks and canonicalisation (mask, causal, batch broadcast,
     # out, threads, dtypes) on stand-ins for q and k with one feature each
-    p = _functional._prepare(_dummy(q), _dummy(k), v, attn_mask, is_causal, None,
+    p = _sdpa._prepare(_dummy(q), _dummy(k), v, attn_mask, is_causal, None,
                              return_weights, causal_alignment, out, n_threads)
     c = _Call()
     c.sim = sim
@@ -326,7 +326,7 @@ def _run_sdpa(c):
         else:  # pragma: no cover
             q2 = np.matmul(c.q, M.T)
     direct = p.out is not None and p.rdt == p.cdt
-    r = _functional.scaled_dot_product_attention(
+    r = _sdpa.scaled_dot_product_attention(
         q2, k2, p.v, c.attn_mask, p.causal, scale, return_weights=p.want_weights,
         causal_alignment=c.causal_alignment, out=p.out if direct else None,
         n_threads=p.n_threads)
@@ -404,11 +404,11 @@ def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
     mt = None
     if M is not None:
         mt = M[..., i0:i1, j0:j1]
-        if p.mask_kind == _functional._kernels.MASK_BOOL and not mt.any():
+        if p.mask_kind == _masks.MASK_BOOL and not mt.any():
             return None
     s = _score_tile(c.sim, Q[..., i0:i1, :], K[..., j0:j1, :], c.params, p.cdt)
     if mt is not None:
-        if p.mask_kind == _functional._kernels.MASK_BOOL:
+        if p.mask_kind == _masks.MASK_BOOL:
             s[~np.broadcast_to(mt, s.shape)] = -np.inf
         else:
             s += mt
@@ -534,8 +534,6 @@ def _ensure_blas_hook():
     global _hook_done
     if _hook_done:
         return
-    import ctypes
-
     _threads.ensure_blas_hook()
     path = _threads._blas_hook_library
     if path is not None:
@@ -556,11 +554,7 @@ def _install_runtime() -> bool:
     """Hand _scores the C addresses of _kernels' worker pool and BLAS hold, so
     one process has one pool and one BLAS thread count (overlapping SDPA and
     additive calls used to restore each other's setting)."""
-    addrs = _threads.kernel_runtime_addresses(simd=False)
-    if addrs is None:  # symbols not exported: _scores keeps its own
-        return False
-    _scores.set_runtime(*addrs)
-    return _scores.runtime_shared()
+    return _threads.install_runtime(_scores.set_runtime, simd=False) and _scores.runtime_shared()
 
 
 _FEW_ROWS = 16
@@ -672,7 +666,7 @@ def _run_fused(c, res, weights):
 
 def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed):
     p = c.p
-    _scores.sync_simd(_functional._kernels.simd_active())
+    _scores.sync_simd(_kernels.simd_active())
     rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res, weights, p.batch,
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
                                       packed, kind == _scores.SCORE_PLUGIN)

@@ -44,6 +44,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+import fastattn
+
+from . import _kernels
+
 __all__ = [
     "numpy_sdpa",
     "causal_mask",
@@ -582,8 +586,6 @@ PEAK_ITERS = 20000  # fma_probe iterations a task: 64 tasks of ~0.4 ms on one co
 def fma_peak_callable(n_threads=2):
     """``(run, flops)``: one :func:`fastattn._kernels.fma_probe` call on
     ``n_threads`` threads (flops is 0 when the AVX2 code is not in use)."""
-    from . import _kernels
-
     flops = _kernels.fma_probe(1, 1) * PEAK_ITERS  # 64 tasks of PEAK_ITERS iterations
 
     def run():
@@ -667,8 +669,6 @@ def impl_callable(impl, q, k, v, causal, n_threads, torch=None):
     torch callables must run inside ``torch.inference_mode()``.
     """
     if impl == "fastattn":
-        import fastattn
-
         sdpa = fastattn.scaled_dot_product_attention
         return lambda: sdpa(q, k, v, is_causal=causal, n_threads=n_threads)
     if impl == "numpy":
@@ -806,8 +806,6 @@ def format_report(rows, gemm, stream=None, header=()):
 def environment_lines(n_threads, torch=None, use_ort=True, gemm=None, blas_read=None,
                       use_torch=True):
     """Header lines shared by ``python -m fastattn bench`` and ``benchmarks/report.py``."""
-    import fastattn
-
     lines = [f"fastattn {fastattn.__version__}: {n_threads} thread(s), "
              f"SIMD {'on' if fastattn.simd_active() else 'off'}"]
     if torch is not None:
@@ -845,8 +843,6 @@ def run_bench(shapes=None, dtype="float32", causal=False, budget=0.2,
     ``dtype`` and ``causal`` setting (default: :data:`BENCH_SHAPES`).
     Returns 0, or 1 when a result disagrees with the NumPy baseline.
     """
-    import fastattn
-
     stream = file or sys.stdout
 
     def emit(line):
@@ -939,8 +935,6 @@ def _malloc_trim():
 
 
 def _fastattn_parent():
-    import fastattn
-
     return os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
 
 
@@ -989,8 +983,6 @@ def memory_child(impl, shape=(1, 8, 4096, 64), dtype="float32", causal=False, n_
     """
     import gc
     import threading
-
-    import fastattn
 
     nt = fastattn.get_num_threads() if n_threads is None else n_threads
     torch = load_torch(nt) if impl == "torch" else None
@@ -1073,8 +1065,6 @@ def idle_child(impl, shape=(1, 8, 512, 64), dtype="float32", causal=False, n_thr
     ``time.sleep(window)``.  Also measures the same window with no call
     before it (the baseline).  Returns a dict of CPU milliseconds.
     """
-    import fastattn
-
     nt = fastattn.get_num_threads() if n_threads is None else n_threads
     torch = load_torch(nt) if impl == "torch" else None
     q, k, v = random_qkv(shape, np.dtype(dtype))

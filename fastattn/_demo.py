@@ -13,6 +13,8 @@ import zlib
 
 import numpy as np
 
+import fastattn
+
 from . import _bench
 
 SENTENCE = "the runner was running while other runners ran past the slow walker walking home"
@@ -62,8 +64,6 @@ def strongest_links(weights: np.ndarray, k: int = TOP_K) -> list[list[tuple[int,
 
 def run(text: str = SENTENCE, scale: float = SCALE, timing: bool = True, budget: float = 0.25,
         file=None) -> int:
-    import fastattn
-
     out = file or sys.stdout
 
     def say(line=""):

@@ -76,11 +76,10 @@ _runtime_done = False
 
 
 def _ensure_runtime():
-    """_proj on fastattn's pool and BLAS hold (installed when _multihead is imported)."""
+    """_proj on fastattn's pool and BLAS hold (once)."""
     global _runtime_done
     if not _runtime_done:
-        from . import _multihead  # noqa: F401  (hands _proj the pool at import)
-
+        _threads.install_runtime(_proj.set_runtime)
         _threads.ensure_blas_hook()
         _runtime_done = True
 

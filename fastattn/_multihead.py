@@ -30,9 +30,9 @@ as ``(B, Hkv, H / Hkv, Lq, dh)``, so shared key/value heads are broadcast
 (stride 0), never repeated.
 
 The attention step reads those head views through SDPA's kernel call
-without SDPA's validation (``functional._sdpa_canonical``): the views are
+without SDPA's validation (``_sdpa._sdpa_canonical``): the views are
 fastattn's own, canonical by construction; only the user's masks are checked
-(here, once) and brought into the kernel's layout (``functional._kernel_mask``).
+(here, once) and brought into the kernel's layout (``_masks.kernel_mask``).
 A layer validates its weights once (:func:`prepare_weights`) and calls
 :func:`multi_head_attention_prepared`, which checks only the inputs and sends
 anything not plain to :func:`multi_head_attention` itself.  A frozen layer's
@@ -54,27 +54,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _kernels, _proj, _threads
+from . import _proj, _threads
+from ._masks import MASK_ADD, MASK_BOOL, kernel_mask
 from ._validation import (
     BLAS_INT_MAX,
     as_array,
     canonical_matrix_stack,
     check_float_kind,
-    describe,
     result_dtypes,
 )
-from .functional import _kernel_mask, _sdpa_canonical, scaled_dot_product_attention
+from ._sdpa import _sdpa_canonical, scaled_dot_product_attention
 
 __all__ = ["multi_head_attention"]
 
 
 def _install_runtime() -> bool:
-    """Hand _proj the C addresses of _kernels' worker pool, BLAS hold and SIMD switch (at import)."""
-    addrs = _threads.kernel_runtime_addresses()
-    if addrs is None:  # pragma: no cover - symbols not exported on this platform
-        return False
-    _proj.set_runtime(*addrs)
-    return _proj.runtime_installed()
+    """Hand _proj _kernels' worker pool, BLAS hold and SIMD switch (called once, below)."""
+    return _threads.install_runtime(_proj.set_runtime) and _proj.runtime_installed()
 
 
 _install_runtime()
@@ -374,8 +370,8 @@ def _prepare_mask(attn_mask, key_mask, B, H, Lq, Lk, batched, cdt):
         mask = am & km
     else:
         mask = np.where(km, am, np.array(-np.inf, dtype=cdt))
-    kind = _kernels.MASK_BOOL if mask.dtype == np.bool_ else _kernels.MASK_ADD
-    return _kernel_mask(mask, kind, Lk, cdt)
+    kind = MASK_BOOL if mask.dtype == np.bool_ else MASK_ADD
+    return kernel_mask(mask, kind, Lk, cdt)
 
 
 def _linear(x, w, b, rows_out, n_threads, wp=None):

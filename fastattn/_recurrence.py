@@ -36,7 +36,7 @@ def _ensure_runtime():
     global _runtime_done
     if _runtime_done:
         return
-    _rnn.set_runtime(*(_threads.kernel_runtime_addresses() or (0, 0, 0, 0)))
+    _threads.install_runtime(_rnn.set_runtime)
     _threads.ensure_blas_hook()
     _runtime_done = True
 

@@ -174,6 +174,20 @@ def blas_hook_library() -> str | None:
     return _blas_hook_library
 
 
+def install_runtime(set_runtime, *, simd=True) -> bool:
+    """Hand another compiled module (``_proj``, ``_rnn``, ``_scores``) this
+    process's one worker pool, BLAS hold and, with ``simd``, SIMD switch:
+    calls its ``set_runtime`` with :func:`kernel_runtime_addresses`.  Each op
+    module calls this itself before its first kernel call (no module is
+    imported for this side effect).  Safe to repeat (the same addresses).
+    False when the symbols are not exported (the module keeps its own)."""
+    addrs = kernel_runtime_addresses(simd=simd)
+    if addrs is None:  # pragma: no cover - depends on the platform's loader
+        return False
+    set_runtime(*addrs)
+    return True
+
+
 def kernel_runtime_addresses(simd=True):
     """C addresses of fastattn._kernels' worker pool (``fa_pool_run``), BLAS hold
     (``fa_blas_threads_enter`` / ``_exit``) and, with ``simd``, its SIMD switch

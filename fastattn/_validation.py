@@ -101,3 +101,28 @@ def broadcast_batch(shapes: list[tuple[str, tuple]], max_dims: int) -> tuple:
         raise ValueError(
             f"leading (batch) dimensions do not broadcast: {desc}"
         ) from None
+
+
+def check_out(out, shape, dtype) -> None:
+    """``out=``: an ndarray of exactly ``shape`` and ``dtype``, writeable, every
+    element with its own memory (no broadcast views)."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy.ndarray, got {describe(out)}")
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out: the array is read-only")
+    if out.size == 0:
+        return
+    # no element may be reachable twice (e.g. a broadcast view)
+    dims = sorted((abs(st), n) for st, n in zip(out.strides, out.shape) if n > 1)
+    span = out.itemsize
+    for st, n in dims:
+        if st < span:
+            raise ValueError(
+                f"out: its strides {out.strides} make elements overlap; pass an array "
+                "in which every element has its own memory"
+            )
+        span = st * n

@@ -32,6 +32,8 @@ import threading
 import types
 import warnings
 
+from .similarity import BUILTINS, CompiledSimilarity, Similarity, builtin
+
 __all__ = [
     "register_similarity",
     "get_similarity",
@@ -87,8 +89,6 @@ def _check_usable(inst, what: str):
     """A Similarity instance that attention() can run: a ``score`` of its own
     (the base class's raises NotImplementedError) or, for a compiled plugin,
     a capsule."""
-    from .similarity import CompiledSimilarity, Similarity
-
     cls = type(inst)
     _check_score(cls, what)
     if isinstance(inst, CompiledSimilarity) and inst.capsule is None:
@@ -99,8 +99,6 @@ def _check_usable(inst, what: str):
 
 
 def _check_score(cls, what: str):
-    from .similarity import CompiledSimilarity, Similarity
-
     if not issubclass(cls, CompiledSimilarity) and cls.score is Similarity.score:
         raise TypeError(
             f"{what}: {cls.__qualname__} does not implement score(query, key, params) "
@@ -111,8 +109,6 @@ def _from_factory(obj, what: str, name=None):
     """A Similarity instance from a subclass (instantiated without arguments),
     an instance or a zero-argument factory -- for register_similarity and
     entry points only.  A failing class or factory is reported by name."""
-    from .similarity import Similarity
-
     if isinstance(obj, Similarity):
         return obj
     if isinstance(obj, type) and not issubclass(obj, Similarity):
@@ -235,6 +231,8 @@ def _load_entry_points() -> None:
             return
         _entry_points_loaded = True
         try:
+            # imported here, not at the top: importlib.metadata costs ~15 ms,
+            # and most processes never look up an unknown name
             from importlib.metadata import entry_points
 
             eps = entry_points(group=ENTRY_POINT_GROUP)
@@ -302,8 +300,6 @@ def get_similarity(name_or_obj):
     points) -- raises TypeError naming ``similarity``.  Nothing passed here
     is ever called.
     """
-    from .similarity import CompiledSimilarity, Similarity
-
     if not isinstance(name_or_obj, str):
         if not isinstance(name_or_obj, Similarity):
             hint = ""
@@ -335,3 +331,13 @@ def get_similarity(name_or_obj):
             f"{', '.join(available_similarities())}"
         )
     return sim
+
+
+def _register_builtins() -> None:
+    """Register the shared built-in instances (:mod:`fastattn.similarity`) and
+    protect their names: done once, when this module is imported."""
+    for cls in BUILTINS:
+        _register(builtin(cls.name), None, False, builtin=True)
+
+
+_register_builtins()

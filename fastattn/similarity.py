@@ -40,7 +40,7 @@ import types
 
 import numpy as np
 
-from .registry import register_similarity
+from ._linear import linear
 
 __all__ = [
     "Similarity",
@@ -421,11 +421,8 @@ class GeneralSimilarity(Similarity):
         return np.matmul(qw, np.swapaxes(key, -1, -2)) * params["scale"]
 
     def precompute_keys(self, key, params):
-        from ._linear import linear
-        from .registry import get_similarity
-
         kp = linear(key, params["W"])
-        return get_similarity("scaled_dot"), {"scale": params.get("scale", np.asarray(1.0))}, kp
+        return builtin("scaled_dot"), {"scale": params.get("scale", np.asarray(1.0))}, kp
 
     def _lower(self, query, key, params):
         # q^T W k = (q W) . k: project the queries once (q W = q (W^T)^T, by
@@ -611,8 +608,6 @@ def _precomputed_additive(sim, params, key, wk):
         params = {"W_q": wq, "v": v}
         if b is not None:
             params["b"] = b
-    from ._linear import linear
-
     kp = linear(key, wk)
     sim = PrecomputedAdditiveSimilarity()
     params = dict(params)
@@ -625,13 +620,11 @@ BUILTINS = (DotSimilarity, ScaledDotSimilarity, GeneralSimilarity, AdditiveSimil
             ConcatSimilarity, CosineSimilarity)
 
 
-def _register_builtins():
-    from . import registry
-
-    for cls in BUILTINS:
-        register_similarity(cls()._freeze())
-    with registry._lock:
-        registry._builtin_names.update(c.name for c in BUILTINS)
+# One shared, read-only instance of each built-in: fastattn.registry registers
+# exactly these (so get_similarity("scaled_dot") is builtin("scaled_dot")).
+_BUILTIN_INSTANCES = {cls.name: cls()._freeze() for cls in BUILTINS}
 
 
-_register_builtins()
+def builtin(name: str) -> Similarity:
+    """The shared, read-only instance of the built-in similarity ``name``."""
+    return _BUILTIN_INSTANCES[name]

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _reference
+from ._attention import attention, attention_path, selftest_capsule
+from .registry import get_similarity
 from .similarity import CompiledSimilarity, ParamSpec
 
 __all__ = ["benchmark_similarity", "check_against_oracle", "make_inputs", "selftest_similarity"]
@@ -35,8 +38,6 @@ class _SelftestNegSqDist(CompiledSimilarity):
     }
 
     def __init__(self):
-        from ._attention import selftest_capsule
-
         self.capsule = selftest_capsule()
 
     def score(self, query, key, params):
@@ -53,8 +54,6 @@ def make_inputs(similarity, *, batch=1, Lq=256, Lk=None, d=64, dv=None, d_a=None
     None for a similarity without ``params_spec``).  Inputs are standard
     normal, so dot-product scores are O(sqrt(d)).
     """
-    from .registry import get_similarity
-
     sim = get_similarity(similarity)
     Lk = Lq if Lk is None else Lk
     dv = d if dv is None else dv
@@ -89,10 +88,6 @@ def check_against_oracle(similarity, q, k, v, params, *, rows=16, rtol=None, **k
     ``return_weights=True`` the weights are checked too.  Returns the max
     error relative to max |reference|; raises AssertionError above ``rtol``
     (default 1e-5 for float32, 1e-10 for float64)."""
-    from . import _reference
-    from ._attention import attention
-    from .registry import get_similarity
-
     sim = get_similarity(similarity)
     q, k, v = (np.asarray(a) for a in (q, k, v))
 
@@ -153,9 +148,6 @@ def benchmark_similarity(benchmark, similarity, *, batch=1, Lq=256, Lk=None, d=6
     the last result.
     """
     import time
-
-    from ._attention import attention, attention_path
-    from .registry import get_similarity
 
     sim = get_similarity(similarity)
     q, k, v, P = make_inputs(sim, batch=batch, Lq=Lq, Lk=Lk, d=d, dv=dv, d_a=d_a,

@@ -27,7 +27,7 @@ import pytest
 
 import fastattn
 import fastattn.testing
-from fastattn import _bench, _kernels, _rnn, _threads, functional as F
+from fastattn import _bench, _kernels, _rnn, _sdpa, _threads, functional as F
 from fastattn._reference import scaled_dot_product_attention as oracle_sdpa
 
 from conftest import assert_close
@@ -118,8 +118,8 @@ def test_sdpa_interrupt_general_path_blas_and_out(rng, default_sigint, monkeypat
     """BLAS tiles (held at one thread) and out=: the BLAS setting comes back,
     out is usable afterwards (its contents after the interrupt are unspecified)."""
     lib = scipy_blas()
-    monkeypatch.setattr(F, "STREAM_OWN_PRODUCTS", False)
-    F._clear_plans()
+    monkeypatch.setattr(_sdpa, "STREAM_OWN_PRODUCTS", False)
+    _sdpa._clear_plans()
     q = rng.standard_normal(LONG_SHAPE).astype(np.float32)
     mask = np.ones(LONG_SHAPE[2], dtype=bool)   # a key mask: the general path
     out = np.empty(LONG_SHAPE, np.float32)
@@ -139,7 +139,7 @@ def test_sdpa_interrupt_general_path_blas_and_out(rng, default_sigint, monkeypat
         assert_close(out[:, :2, :200], oracle_sdpa(small, small, small))
     finally:
         lib.set_threads(before)
-        F._clear_plans()
+        _sdpa._clear_plans()
 
 
 @pytest.mark.parametrize("kind", ["additive", "compiled"])

@@ -1,5 +1,5 @@
 """The layer's prepared-weights path (weights validated once) and the trusted SDPA call
-of multi-head attention (functional._sdpa_canonical), against the float64 oracle."""
+of multi-head attention (_sdpa._sdpa_canonical), against the float64 oracle."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _multihead, functional as F
+from fastattn import _multihead, _sdpa, functional as F
 from fastattn.layers import MultiHeadAttention
 from conftest import assert_close, oracle, randn
 
@@ -266,13 +266,13 @@ def test_sdpa_canonical_on_head_views(dtype, mask, causal, Lq, rng):
     attn = np.full((B, Lq, H * dh), np.nan, dtype)
     out = attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
     off = Lk - Lq if causal else 0
-    w = F._sdpa_canonical(q, k, v, m, (B, H), causal, off, 0.3, out, True, 2)
+    w = _sdpa._sdpa_canonical(q, k, v, m, (B, H), causal, off, 0.3, out, True, 2)
     r_out, r_w = oracle(q, k, v, m, causal, 0.3, causal_alignment="bottom_right",
                         return_weights=True)
     assert_close(out, r_out, dtype)
     assert_close(w, r_w, dtype)
     out2 = np.empty_like(out)
-    assert F._sdpa_canonical(q, k, v, m, (B, H), causal, off, 0.3, out2, False, 2) is None
+    assert _sdpa._sdpa_canonical(q, k, v, m, (B, H), causal, off, 0.3, out2, False, 2) is None
     assert_close(out2, r_out, dtype)
 
 

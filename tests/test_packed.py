@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import functional as F
+from fastattn import _sdpa
 
 from conftest import assert_close, oracle, randn
 
@@ -30,10 +30,10 @@ SIZES = [  # (Lq, Lk, d, dv)
 @pytest.fixture
 def small_tiles(monkeypatch):
     def use(bk):
-        monkeypatch.setattr(F, "BLOCK_K", bk)
-        F._clear_plans()
+        monkeypatch.setattr(_sdpa, "BLOCK_K", bk)
+        _sdpa._clear_plans()
     yield use
-    F._clear_plans()
+    _sdpa._clear_plans()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

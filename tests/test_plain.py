@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _kernels
-from fastattn import functional as F
+from fastattn import _kernels, _sdpa
 
 from conftest import assert_close, oracle, randn
 
@@ -48,7 +47,7 @@ def test_threads_and_scale_are_honoured(rng):
 
 def test_not_plain_returns_none(rng):
     q = randn(rng, (2, 4, 8), np.float32)
-    plan = F._plain_plan
+    plan = _sdpa._plain_plan
 
     def call(*a):
         return _kernels.sdpa_plain(*a, False, False, None, 1, plan)
@@ -72,7 +71,7 @@ def test_planning_constants_take_effect_after_clear(monkeypatch, rng):
 
     def spy(*a):
         seen.append(a)
-        return F._plain_plan(*a)
+        return _sdpa._plain_plan(*a)
 
     _kernels.sdpa_plain(q, q, q, False, False, None, 1, spy)
     assert seen == []            # remembered: the planner is not asked again
