@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from . import _kernels, _masks, _sdpa, _threads, _validation
-from ._validation import as_array, canonical_matrix_stack, check_float_kind, describe
+from ._validation import as_array, canonical_matrix_stack, describe
 from .registry import get_similarity
 from .similarity import PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity, _fits
 
@@ -84,15 +84,7 @@ class _Call:
 def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
              causal_alignment, out, n_threads, lower=True):
     sim = get_similarity(similarity)
-    q = as_array(query, "query")
-    k = as_array(key, "key")
-    v = as_array(value, "value")
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        check_float_kind(a, name)
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name}: expected an array with at least 2 dims (..., L, features), "
-                f"got {a.ndim}-d array of shape {a.shape}")
+    q, k, v = _validation.check_qkv(query, key, value)
     d_q, d_k = q.shape[-1], k.shape[-1]
     # SDPA's own size checks below run on one-feature stand-ins: the real
     # feature sizes are BLAS dimensions / leading dimensions of the projections
@@ -301,18 +293,7 @@ def _direct_out(c):
     return out
 
 
-def _finish(p, res, weights):
-    if p.out is not None:
-        if res is not p.out:
-            np.copyto(p.out, res, casting="unsafe")
-        res = p.out
-    elif p.rdt != p.cdt:
-        res = res.astype(p.rdt)
-    if p.want_weights:
-        if p.rdt != p.cdt:
-            weights = weights.astype(p.rdt)
-        return res, weights
-    return res
+_finish = _sdpa._finish
 
 
 def _run_sdpa(c):

@@ -19,11 +19,10 @@ from . import _masks
 from ._masks import check_attn_mask
 from ._validation import (
     BLAS_INT_MAX,
-    as_array,
     broadcast_batch,
     canonical_matrix_stack,
-    check_float_kind,
     check_out,
+    check_qkv,
     result_dtypes,
 )
 
@@ -273,16 +272,7 @@ class _Prepared(NamedTuple):
 
 def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
              causal_alignment, out, n_threads):
-    q = as_array(query, "query")
-    k = as_array(key, "key")
-    v = as_array(value, "value")
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        check_float_kind(a, name)
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name}: expected an array with at least 2 dims (..., L, features), "
-                f"got {a.ndim}-d array of shape {a.shape}"
-            )
+    q, k, v = check_qkv(query, key, value)
     Lq, d = q.shape[-2:]
     Lk, dk = k.shape[-2:]
     Lv, dv = v.shape[-2:]
@@ -427,10 +417,17 @@ def _run(p: _Prepared):
         if rc:
             _raise_status(rc)
 
-    if user_out is not None:
-        if not direct:
-            np.copyto(user_out, res, casting="unsafe")
-        res = user_out
+    return _finish(p, res, weights)
+
+
+def _finish(p: _Prepared, res, weights):
+    """The call's result from the kernel's output ``res`` (``p.out`` itself or a
+    buffer in the compute dtype) and weights: copied into ``out=`` or cast to the
+    result dtype; ``(res, weights)`` when weights were asked for."""
+    if p.out is not None:
+        if res is not p.out:
+            np.copyto(p.out, res, casting="unsafe")
+        res = p.out
     elif p.rdt != p.cdt:
         res = res.astype(p.rdt)
     if p.want_weights:

@@ -126,3 +126,19 @@ def check_out(out, shape, dtype) -> None:
                 "in which every element has its own memory"
             )
         span = st * n
+
+
+def check_qkv(query, key, value) -> tuple:
+    """``query``, ``key``, ``value`` as ndarrays (not copied) of real numbers with
+    at least 2 dims ``(..., L, features)``."""
+    q = as_array(query, "query")
+    k = as_array(key, "key")
+    v = as_array(value, "value")
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        check_float_kind(a, name)
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name}: expected an array with at least 2 dims (..., L, features), "
+                f"got {a.ndim}-d array of shape {a.shape}"
+            )
+    return q, k, v
