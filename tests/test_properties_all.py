@@ -38,7 +38,7 @@ from fastattn import _reference as R
 from fastattn.functional import PreparedAttention
 from fastattn.similarity import AdditiveSimilarity
 
-from _props import (F32, F64, LAYOUTS_2D, LAYOUTS_ND, NegL1, assert_agree, assert_all_close,
+from support import (F32, F64, LAYOUTS_2D, LAYOUTS_ND, NegL1, assert_agree, assert_all_close,
                     changed, check_causal_rows, check_float32_and_float64_agree,
                     check_kv_permutation, check_row_constant_invariance, check_rows_unchanged, f32,
                     lay, random_mask)
@@ -46,7 +46,7 @@ from conftest import allowed_matrix, assert_close, check_weights, prop_settings
 
 
 # --------------------------------------------------------------------------
-# Similarities: the object (NegL1: tests/_props.py), its parameters and the
+# Similarities: the object (NegL1: tests/support.py), its parameters and the
 # oracle's score function.
 
 def _params(sim, rng, d_q, d_k, d_a):

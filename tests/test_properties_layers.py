@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from fastattn import _reference as R
 from fastattn.layers import Attention, AttentionDecoder, SelfAttention
 
-from _props import (F32, F64, assert_agree, assert_all_close, check_causal_rows,
+from support import (F32, F64, assert_agree, assert_all_close, check_causal_rows,
                     check_float32_and_float64_agree, check_kv_permutation, check_padded_keys,
                     check_row_constant_invariance, f32, random_mask)
 from conftest import allowed_matrix, assert_close, check_weights, prop_settings

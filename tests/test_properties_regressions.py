@@ -9,7 +9,7 @@ import fastattn
 from fastattn import _reference as R
 from fastattn.similarity import Similarity
 
-from _props import F32, F64, NegL1
+from support import F32, F64, NegL1
 from conftest import assert_close
 
 
