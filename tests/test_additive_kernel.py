@@ -16,7 +16,7 @@ from fastattn import _attention, _reference as R, _scores
 from fastattn._attention import SimilarityError
 from fastattn.similarity import CompiledSimilarity, ParamSpec
 
-from conftest import assert_close, randn
+from support import assert_close, randn
 
 
 def _tanh(x):

@@ -484,7 +484,7 @@ def _layout(a, kind):
     if kind == "zero_stride_batch":
         return np.broadcast_to(a[:1], a.shape)
     if kind == "unaligned":
-        from conftest import make_layout
+        from support import make_layout
         return make_layout(a, "unaligned")
     if kind == "read_only":
         b = a.copy()

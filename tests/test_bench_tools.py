@@ -133,7 +133,7 @@ def test_report_from_json(tmp_path, capsys):
 def test_fma_probe_counts_its_flops():
     """The peak probe does 64 tasks x iters x 12 FMAs of 8 lanes (2 flops each),
     on any thread count, and nothing without the AVX2 code."""
-    from conftest import SIMD_CAPABLE, _restore_simd
+    from support import SIMD_CAPABLE, _restore_simd
     from fastattn import _kernels
     if not _kernels.simd_active():
         assert _kernels.fma_probe(10, 2) == 0

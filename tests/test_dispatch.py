@@ -6,7 +6,7 @@ import pytest
 
 import fastattn
 from fastattn import _kernels
-from conftest import SIMD_CAPABLE, _restore_simd, assert_close, oracle, randn, run_child
+from support import SIMD_CAPABLE, _restore_simd, assert_close, oracle, randn, run_child
 
 
 def _child_simd_active(value):

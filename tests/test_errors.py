@@ -289,7 +289,7 @@ _CHILD = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def blas_guard_results():
-    from conftest import run_child
+    from support import run_child
     proc = run_child(_CHILD, [json.dumps(BLAS_CASES)])
     assert proc.returncode == 0, f"child crashed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -308,7 +308,7 @@ def test_blas_int_guard(blas_guard_results, case):
 
 def test_max_batch_dims_works():
     """32 leading dims (the kernel's limit) are fine."""
-    from conftest import assert_close, oracle
+    from support import assert_close, oracle
     rng = np.random.default_rng(1)
     shape = (1,) * 30 + (2, 1)
     q = rng.standard_normal(shape + (3, 4))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import run_child
+from support import run_child
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                        "seq2seq_reversal")

@@ -204,7 +204,7 @@ def test_exp_lengths_and_in_place(simd_mode, dtype, n, rng):
 
 def test_simd_and_scalar_both_exercised():
     """The simd_mode fixture really switches the kernel (results differ somewhere)."""
-    from conftest import SIMD_CAPABLE, _restore_simd
+    from support import SIMD_CAPABLE, _restore_simd
     if not SIMD_CAPABLE:  # pragma: no cover
         pytest.skip("no AVX2")
     x = np.linspace(-80, 0, 100_000).astype(np.float32)

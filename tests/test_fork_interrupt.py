@@ -30,7 +30,7 @@ import fastattn.testing
 from fastattn import _bench, _kernels, _rnn, _threads, functional as F
 from fastattn._reference import scaled_dot_product_attention as oracle_sdpa
 
-from conftest import assert_close
+from support import assert_close
 
 LONG_SHAPE = (1, 8, 16384, 64)   # about 10 s of SDPA on two cores
 

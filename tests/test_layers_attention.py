@@ -8,7 +8,7 @@ import fastattn
 from fastattn import _reference as ref
 from fastattn.layers import Attention, SelfAttention
 
-from conftest import assert_close
+from support import assert_close
 
 SIMS = ["dot", "scaled_dot", "general", "additive", "concat", "cosine"]
 

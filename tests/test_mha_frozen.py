@@ -11,7 +11,7 @@ import pytest
 
 from fastattn import _multihead, _proj
 from fastattn.layers import MultiHeadAttention
-from conftest import assert_close, randn, run_child
+from support import assert_close, randn, run_child
 
 from test_mha_layer import oracle_of, randomise
 from test_mha_prepared import _masks  # the same mask kinds (a superset)

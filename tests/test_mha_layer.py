@@ -12,7 +12,7 @@ import pytest
 import fastattn
 from fastattn import _reference
 from fastattn.layers import MultiHeadAttention
-from conftest import assert_close, randn
+from support import assert_close, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import pytest
 import fastattn
 from fastattn import _multihead, functional as F
 from fastattn.layers import MultiHeadAttention
-from conftest import assert_close, oracle, randn
+from support import assert_close, oracle, randn
 
 from test_mha_layer import oracle_of, randomise
 

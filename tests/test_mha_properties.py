@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fastattn
-from conftest import assert_close, prop_settings, tol
+from support import assert_close, prop_settings, tol
 from test_multihead import make_params, packed, ref
 
 mha = fastattn.multi_head_attention

@@ -11,7 +11,7 @@ import pytest
 
 import fastattn
 from fastattn import _multihead, _reference
-from conftest import assert_close, check_weights, randn
+from support import assert_close, check_weights, randn
 
 mha = fastattn.multi_head_attention
 

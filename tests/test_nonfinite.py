@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from conftest import assert_close, oracle, randn
+from support import assert_close, oracle, randn
 
 sdpa = fastattn.scaled_dot_product_attention
 FLOATS = [np.float32, np.float64]

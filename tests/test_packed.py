@@ -14,7 +14,7 @@ import pytest
 import fastattn
 from fastattn import functional as F
 
-from conftest import assert_close, oracle, randn
+from support import assert_close, oracle, randn
 
 SIZES = [  # (Lq, Lk, d, dv)
     (5, 1, 1, 1),

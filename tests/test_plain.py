@@ -13,7 +13,7 @@ import fastattn
 from fastattn import _kernels
 from fastattn import functional as F
 
-from conftest import assert_close, oracle, randn
+from support import assert_close, oracle, randn
 
 
 def test_many_signatures_interleaved(rng):

@@ -8,7 +8,7 @@ import pytest
 import fastattn
 from fastattn import _reference as R, functional as F
 
-from conftest import assert_close, randn
+from support import assert_close, randn
 from test_similarity import SIMS, make_case
 
 

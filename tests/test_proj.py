@@ -8,7 +8,7 @@ import pytest
 
 import fastattn
 from fastattn import _bench, _multihead, _proj, _threads
-from conftest import assert_close, randn
+from support import assert_close, randn
 
 
 def _linear(x, w, b, n_threads, y=None):

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 import fastattn
-from conftest import allowed_matrix, assert_close, check_weights, oracle, prop_settings, tol
+from support import allowed_matrix, assert_close, check_weights, oracle, prop_settings, tol
 
 sdpa = fastattn.scaled_dot_product_attention
 

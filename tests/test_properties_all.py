@@ -21,7 +21,7 @@ For every op where it applies:
 
 The inputs are float32-representable numbers, so the float32 and float64
 runs (and the oracle) see exactly the same values; scores stay O(1-10).
-Budgets: ``conftest.prop_settings`` (profiles ``ci`` and ``long``).
+Budgets: ``support.prop_settings`` (profiles ``ci`` and ``long``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from support import (F32, F64, LAYOUTS_2D, LAYOUTS_ND, NegL1, assert_agree, asse
                     changed, check_causal_rows, check_float32_and_float64_agree,
                     check_kv_permutation, check_row_constant_invariance, check_rows_unchanged, f32,
                     lay, random_mask)
-from conftest import allowed_matrix, assert_close, check_weights, prop_settings
+from support import allowed_matrix, assert_close, check_weights, prop_settings
 
 
 # --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from fastattn.layers import MultiHeadAttention
 from support import (F32, F64, LAYOUTS_ND, assert_agree, assert_all_close, check_causal_rows,
                     check_float32_and_float64_agree, check_kv_permutation, check_padded_keys,
                     check_row_constant_invariance, f32, lay, random_mask)
-from conftest import allowed_matrix, assert_close, check_weights, prop_settings
+from support import allowed_matrix, assert_close, check_weights, prop_settings
 from test_multihead import make_params, packed
 
 OPS = ["functional", "layer"]

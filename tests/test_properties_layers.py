@@ -24,7 +24,7 @@ from fastattn.layers import Attention, AttentionDecoder, SelfAttention
 from support import (F32, F64, assert_agree, assert_all_close, check_causal_rows,
                     check_float32_and_float64_agree, check_kv_permutation, check_padded_keys,
                     check_row_constant_invariance, f32, random_mask)
-from conftest import allowed_matrix, assert_close, check_weights, prop_settings
+from support import allowed_matrix, assert_close, check_weights, prop_settings
 from test_layers_attention import SIMS, ref_score
 
 OPS = [f"attention/{s}" for s in SIMS] + [f"self/{s}" for s in SIMS]

@@ -10,7 +10,7 @@ from fastattn import _reference as R
 from fastattn.similarity import Similarity
 
 from support import F32, F64, NegL1
-from conftest import assert_close
+from support import assert_close
 
 
 class _TransposedScores(Similarity):

@@ -16,7 +16,7 @@ from fastattn._attention import SimilarityError
 from fastattn.registry import FastattnPluginWarning, UnknownSimilarityError
 from fastattn.similarity import AdditiveSimilarity, ParamSpec, Similarity
 
-from conftest import assert_close, randn
+from support import assert_close, randn
 
 BUILTINS = ("additive", "concat", "cosine", "dot", "general", "scaled_dot")
 
@@ -233,7 +233,7 @@ def test_entry_points_lazy_broken_and_duplicate(monkeypatch):
 def test_broken_plugin_never_breaks_import(tmp_path):
     """A broken entry point installed in the environment: import fastattn works,
     using it warns."""
-    from conftest import run_child
+    from support import run_child
 
     dist = tmp_path / "broken_plugin-0.1.dist-info"
     dist.mkdir()

@@ -6,7 +6,7 @@ import pytest
 from fastattn import _reference as ref
 from fastattn.layers import GRU, LSTM, Embedding, Linear, RNNEncoder, SimpleRNN
 
-from conftest import assert_close
+from support import assert_close
 
 CELLS = [(SimpleRNN, "RNN"), (GRU, "GRU"), (LSTM, "LSTM")]
 

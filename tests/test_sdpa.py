@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from conftest import (
+from support import (
     NO_COPY_LAYOUTS,
     allowed_matrix,
     assert_close,

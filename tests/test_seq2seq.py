@@ -10,7 +10,7 @@ from scipy.special import log_softmax
 from fastattn import _reference as ref
 from fastattn.layers import AttentionDecoder, Memory, RNNEncoder, Seq2Seq
 
-from conftest import assert_close
+from support import assert_close
 from test_layers_attention import ref_score
 
 V = 9

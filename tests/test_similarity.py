@@ -15,7 +15,7 @@ import fastattn.testing
 from fastattn import _attention, _reference as R
 from fastattn.similarity import ParamSpec, Similarity
 
-from conftest import allowed_matrix, assert_close, check_weights, randn
+from support import allowed_matrix, assert_close, check_weights, randn
 
 
 class NegSqDist(Similarity):
@@ -270,7 +270,7 @@ def test_threads_give_the_same_result(sim_name, n_threads, rng):
 
 def test_layouts_no_copy_needed(rng):
     """Strided, transposed and read-only inputs give the same result."""
-    from conftest import make_layout
+    from support import make_layout
 
     q, k, v = randn(rng, (2, 3, 9, 5)), randn(rng, (2, 3, 11, 4)), randn(rng, (2, 3, 11, 6))
     sim, params, ref_score, _ = make_case("additive", np.float64, 5, 4, rng)
@@ -344,7 +344,7 @@ def test_attention_path_does_not_copy_the_inputs(sim_name, layout, rng):
     canonical (strided) copy of the full query and key."""
     import tracemalloc
 
-    from conftest import make_layout
+    from support import make_layout
 
     d_q, d_k = _dims(sim_name)
     q = make_layout(randn(rng, (2, 2048, d_q * 40)), layout)  # 3.9 MB

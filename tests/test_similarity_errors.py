@@ -7,7 +7,7 @@ import pytest
 import fastattn
 from fastattn.similarity import CosineSimilarity
 
-from conftest import randn
+from support import randn
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_init_params_leaves_out_optional_params_without_a_fixed_default(rng):
     assert P == {}
     got = fastattn.attention(q, k, v, "scaled_dot", params=P)
     from fastattn import _reference as R
-    from conftest import assert_close
+    from support import assert_close
 
     assert_close(got, R.attention(q, k, v, lambda a, b: R.score_dot(a, b, 1 / np.sqrt(8))),
                  np.float64)
@@ -188,7 +188,7 @@ def test_float32_scores_out_of_range_say_so(rng):
         ctx.__exit__(None, None, None)
     # in range in float64: fine, and the float32 result matches the oracle
     from fastattn import _reference as R
-    from conftest import assert_close
+    from support import assert_close
 
     got = fastattn.attention(q, k, v, Huge(0.5))
     assert_close(got, R.attention(q, k, v, lambda a, b: R.score_dot(a, b, 0.5)), np.float32)
@@ -255,7 +255,7 @@ def test_feature_and_attention_sizes_checked_against_the_limit(monkeypatch, rng)
         fastattn.attention(q[..., :6], k, v, "additive", params=_add(6, 3))
     monkeypatch.setattr(_validation, "BLAS_INT_MAX", 8)  # at the limit: runs
     from fastattn import _reference as R
-    from conftest import assert_close
+    from support import assert_close
 
     P = _add(6, 3)
     got = fastattn.attention(q[..., :6], k, v, "additive", params=P)

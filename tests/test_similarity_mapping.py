@@ -14,7 +14,7 @@ import pytest
 
 import fastattn
 
-from conftest import assert_close, randn
+from support import assert_close, randn
 
 
 def _softmax(s):

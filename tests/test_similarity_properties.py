@@ -11,7 +11,7 @@ import fastattn
 import fastattn.testing
 from fastattn import _reference as R
 
-from conftest import allowed_matrix, assert_close, check_weights, prop_settings
+from support import allowed_matrix, assert_close, check_weights, prop_settings
 
 # 40 examples under the ci profile (2 x its base), 25x that under long
 SETTINGS = prop_settings(2, suppress_health_check=[HealthCheck.too_slow])

@@ -34,7 +34,7 @@ import fastattn
 from fastattn import _kernels, _reference as R
 from fastattn._validation import BLAS_INT_MAX
 
-from conftest import assert_close, oracle, run_child
+from support import assert_close, oracle, run_child
 
 #: an element distance no int32 offset can express
 FAR = 2**31 + 64

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from conftest import assert_close, oracle, randn, run_child
+from support import assert_close, oracle, randn, run_child
 
 sdpa = fastattn.scaled_dot_product_attention
 
@@ -278,7 +278,7 @@ def test_blas_threads_restored_after_parallel_call(rng):
 @pytest.mark.parametrize("env, expected", [("3", 3), ("1,2", 1), ("junk", None), ("0", None)])
 def test_omp_num_threads_sets_the_default(env, expected):
     """OMP_NUM_THREADS (read at import) is the default; invalid values are ignored."""
-    from conftest import run_child
+    from support import run_child
 
     code = (
         "import os, fastattn; n = fastattn.get_num_threads(); "

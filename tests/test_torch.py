@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fastattn  # noqa: E402
-from conftest import assert_close, oracle, randn  # noqa: E402
+from support import assert_close, oracle, randn  # noqa: E402
 
 sdpa = fastattn.scaled_dot_product_attention
 F = torch.nn.functional

@@ -6,7 +6,7 @@ import pytest
 
 from fastattn import viz
 
-from conftest import run_child
+from support import run_child
 
 W = np.array([[0.7, 0.2, 0.1], [0.0, 0.25, 0.75]])
 
