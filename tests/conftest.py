@@ -5,6 +5,7 @@ processes, property checks) are in support.py: ``from support import ...``.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, settings
 import fastattn
 from fastattn import _kernels
 
-from support import SIMD_CAPABLE, _restore_simd
+from support import SIMD_CAPABLE, TEST_FOLDERS, _restore_simd
 
 
 # --------------------------------------------------------------------------
@@ -40,6 +41,25 @@ settings.register_profile(
     print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+# --------------------------------------------------------------------------
+# Imports between test folders.
+
+def pytest_configure(config):
+    """Every folder of test files on sys.path before anything is collected.
+
+    Some test modules import helpers from test modules in other folders
+    (reliability/test_concurrency.py: similarity/test_similarity.py's plugin;
+    the property files: layers/test_multihead.py's and
+    layers/test_layers_attention.py's builders).  pytest's default (prepend)
+    import mode puts a folder on sys.path only when it imports a test file
+    from it, so those imports would depend on the collection order, and
+    fail when the importing file runs alone.  Basenames are unique across the
+    folders, so no module shadows another."""
+    for folder in TEST_FOLDERS:
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 # --------------------------------------------------------------------------

@@ -30,6 +30,18 @@ from fastattn.similarity import ParamSpec, Similarity
 
 
 # --------------------------------------------------------------------------
+# Paths: tests/ (this file's folder), the checkout's root above it, and the
+# folders of test files under tests/ (one per part of fastattn; README.md).
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+TEST_FOLDERS = tuple(sorted(
+    path for path in (os.path.join(TESTS_DIR, name) for name in os.listdir(TESTS_DIR))
+    if os.path.isdir(path) and any(f.startswith("test_") and f.endswith(".py")
+                                   for f in os.listdir(path))))
+
+
+# --------------------------------------------------------------------------
 # Tolerances: the one table.
 #
 # (rtol, atol), where atol is relative to the value scale: assert_close uses

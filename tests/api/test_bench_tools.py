@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from fastattn import _bench
+from support import REPO_ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = REPO_ROOT
 
 
 def _ref(q, k, v, causal):

@@ -18,10 +18,9 @@ import fastattn
 from fastattn import _reference as R, registry
 from fastattn._attention import SimilarityError
 
-from support import FASTATTN_PARENT, assert_close, randn, run_child
+from support import FASTATTN_PARENT, REPO_ROOT, assert_close, randn, run_child
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "examples", "fastattn-plugin-example")
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "fastattn-plugin-example")
 DIST = "fastattn-plugin-example"
 
 

@@ -12,9 +12,9 @@ import pytest
 import fastattn
 from fastattn import _reference
 from fastattn.layers import MultiHeadAttention
-from support import assert_close, randn
+from support import REPO_ROOT, assert_close, randn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 
 def randomise(layer, rng):

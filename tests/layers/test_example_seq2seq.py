@@ -5,10 +5,9 @@ import sys
 
 import pytest
 
-from support import run_child
+from support import REPO_ROOT, run_child
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                       "seq2seq_reversal")
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "seq2seq_reversal")
 
 
 def test_example_runs_and_writes_png(tmp_path):
