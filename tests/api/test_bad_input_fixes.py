@@ -1,7 +1,7 @@
 """Regression tests for the bugs the bad-input table (docs/bad_input.md) exposed.
 
 One test (or group) per fix; the table's rows themselves are in
-tests/test_bad_input.py.
+tests/api/test_bad_input.py.
 """
 from __future__ import annotations
 

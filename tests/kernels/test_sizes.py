@@ -17,7 +17,7 @@ How the tests get there without the memory:
   than 2**31 elements over a few bytes, refused or (a broadcast batch)
   computed;
 * real size (``@pytest.mark.slow``, deselected by default; run with
-  ``pytest -m slow tests/test_sizes.py``): a boolean mask of more than 2**31
+  ``pytest -m slow tests/kernels/test_sizes.py``): a boolean mask of more than 2**31
   real elements.
 """
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_additive_projection_weight_rows_far_apart(sparse, rng):
 
 
 # ------------------------------------------ refused before any allocation
-# As tests/test_errors.py does for scaled_dot_product_attention, for every
+# As tests/api/test_errors.py does for scaled_dot_product_attention, for every
 # other entry point: zero-stride views present sizes beyond 2**31 - 1 over a
 # few bytes; the call must raise ValueError naming the size and the BLAS
 # range, having allocated next to nothing (tracemalloc sees NumPy's
@@ -491,7 +491,7 @@ def test_sdpa_broadcast_batch_beyond_2_31_elements(rng, dtype):
 
 # ------------------------------------------------------------- at real size
 # Deselected by default (pyproject.toml: -m 'not slow'); run them with
-#   pytest -m slow tests/test_sizes.py
+#   pytest -m slow tests/kernels/test_sizes.py
 # Together they need about 2.3 GB of memory and a minute or two on 2 cores.
 
 SLOW_LQ, SLOW_LK = 40_000, 54_000   # a (Lq, Lk) mask of 2.16e9 elements

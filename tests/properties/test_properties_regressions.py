@@ -1,5 +1,5 @@
 """Regression tests for library bugs that the hypothesis properties
-(tests/test_properties_*.py) found, each reduced to a plain example."""
+(tests/properties/) found, each reduced to a plain example."""
 from __future__ import annotations
 
 import numpy as np
