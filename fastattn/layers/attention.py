@@ -19,40 +19,10 @@ import math
 import numpy as np
 
 from .. import functional as F
-from ..registry import get_similarity
-from ._base import Layer, as_float_input, check_bool, check_dtype, check_int
-from .rnn import _config_seed, _rng
+from ._base import (Layer, _config_seed, _rng, _similarity_config, as_float_input, check_bool,
+                    check_dtype, check_int, init_similarity_params, resolve_similarity)
 
 __all__ = ["Attention", "SelfAttention", "combine_masks"]
-
-
-def _similarity_config(sim):
-    cfg = sim.get_config()
-    return cfg if len(cfg) > 1 else cfg["name"]
-
-
-def resolve_similarity(similarity):
-    """A Similarity object from a name, an object or a config dict."""
-    if isinstance(similarity, dict):
-        cfg = dict(similarity)
-        base = get_similarity(cfg.get("name"))
-        return type(base).from_config(cfg)
-    return get_similarity(similarity)
-
-
-def init_similarity_params(sim, d_q, d_k, attn_dim, rng, dtype):
-    """Random parameters for ``sim`` (its own ``init_params``); {} when it has none."""
-    spec = sim.params_spec or {}
-    dims = {}
-    if any("d_a" in ps.shape for ps in spec.values()):
-        dims["d_a"] = attn_dim
-    p = sim.init_params(d_q, d_k, rng=rng, dtype=dtype, **dims)
-    if p is None:
-        return {}
-    # an optional scalar without a default (scaled_dot's ``scale``: 1/sqrt(d)
-    # computed at call time) is left out rather than materialised as 0
-    return {k: np.asarray(v, dtype=dtype) for k, v in p.items()
-            if spec[k].required or spec[k].default is not None or len(spec[k].shape)}
 
 
 def combine_masks(attn_mask, key_mask, B, Lq, Lk, unbatched):
@@ -170,12 +140,6 @@ class Attention(Layer):
         return F.attention(q, k, v, self.similarity, params=self._sim_params(), attn_mask=mask,
                            is_causal=is_causal, return_weights=return_weights,
                            causal_alignment=causal_alignment, n_threads=n_threads)
-
-    @classmethod
-    def from_config(cls, config):
-        if not isinstance(config, dict):
-            raise TypeError(f"config: expected a dict, got {type(config).__name__}")
-        return cls(**config)
 
 
 class SelfAttention(Attention):

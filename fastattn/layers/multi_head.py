@@ -19,30 +19,18 @@ state dict with ``Hkv < H`` only comes from fastattn itself.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 
 import numpy as np
 
 from .. import functional
-from ._base import check_dtype
+from ._base import Layer, as_param_array, check_bool, check_dtype, check_int
 
 __all__ = ["MultiHeadAttention"]
 
 _CONFIG_KEYS = ("embed_dim", "num_heads", "kdim", "vdim", "bias", "num_kv_heads", "dtype")
-
-
-def _check_int(n, name, minimum=1):
-    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-    if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected {what}, got bool {n!r}")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{name}: expected {what}, got {type(n).__name__} {n!r}") from None
-    if n < minimum:
-        raise ValueError(f"{name}: expected {what}, got {n}")
-    return n
+#: what this layer's integer checks say they expect (torch's wording, kept from before the base)
+_POSITIVE = "a positive integer"
 
 
 def _shape(x):
@@ -53,29 +41,7 @@ def _shape(x):
         return None
 
 
-def _to_numpy(value, name):
-    """A floating-point NumPy array from an array-like or a torch tensor (duck-typed:
-    torch is not imported).  Tensors that NumPy cannot hold (bfloat16) come through
-    ``.float()`` (float32; float64 tensors stay float64).  Bool and integer weights
-    are refused: a weight of that dtype is a mistake, not a number to cast."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        t = value.detach().cpu()
-        is_float = getattr(t, "is_floating_point", None)
-        if is_float is not None and not is_float():
-            raise TypeError(f"{name}: expected a real floating-point tensor, got dtype {t.dtype}")
-        if is_float is not None and str(t.dtype) not in ("torch.float32", "torch.float64"):
-            t = t.float()
-        value = t.numpy() if hasattr(t, "numpy") else t
-    try:
-        a = np.asarray(value)
-    except Exception as exc:
-        raise TypeError(f"{name}: expected an array or tensor, got {type(value).__name__} ({exc})") from None
-    if a.dtype.kind != "f":
-        raise TypeError(f"{name}: expected a real floating-point array, got dtype {a.dtype}")
-    return a
-
-
-class MultiHeadAttention:
+class MultiHeadAttention(Layer):
     """Multi-head attention with input and output projections (inference).
 
     Parameters
@@ -99,10 +65,12 @@ class MultiHeadAttention:
         (the packed ``in_proj_weight`` as one matrix), ``U(-1/sqrt(E), 1/sqrt(E))``
         for ``out_proj.weight``, zero biases.
 
-    The parameters (``self.params``) are validated and made canonical on the
-    first call and reused while ``params`` holds the same arrays; changing
-    their values in place is seen by the next call, and replacing an array
-    (or the dict, or ``load_state_dict``) prepares them again.
+    The parameters (``self.params``, the :class:`~fastattn.layers._base.Layer`
+    store; ``named_parameters()`` and ``state_dict()`` give the same names)
+    are validated and made canonical on the first call and reused while
+    ``params`` holds the same arrays; changing their values in place is seen
+    by the next call, and replacing an array (or the dict, or
+    ``load_state_dict``) prepares them again.
 
     :meth:`freeze` (opt-in, for inference with fixed weights) makes the
     parameter arrays read-only and keeps the float32 projection weights also
@@ -118,32 +86,46 @@ class MultiHeadAttention:
 
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True,
                  num_kv_heads=None, dtype=np.float32, seed=None):
-        E = _check_int(embed_dim, "embed_dim")
-        H = _check_int(num_heads, "num_heads")
+        E = check_int(embed_dim, "embed_dim", what=_POSITIVE)
+        H = check_int(num_heads, "num_heads", what=_POSITIVE)
         if E % H:
             raise ValueError(f"num_heads: expected a divisor of embed_dim={E}, got {H}")
-        Hkv = H if num_kv_heads is None else _check_int(num_kv_heads, "num_kv_heads")
+        Hkv = H if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", what=_POSITIVE)
         if H % Hkv:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={H}, got {Hkv}")
-        if not isinstance(bias, (bool, np.bool_)):
-            raise TypeError(f"bias: expected a bool, got {type(bias).__name__} {bias!r}")
+        bias = check_bool(bias, "bias")
         self.embed_dim = E
         self.num_heads = H
         self.num_kv_heads = Hkv
         # zero-feature keys / values are valid (NumPy's convention for empty sums:
         # the projection is its bias, all scores of a zero-feature key are equal)
-        self.kdim = E if kdim is None else _check_int(kdim, "kdim", 0)
-        self.vdim = E if vdim is None else _check_int(vdim, "vdim", 0)
-        self.bias = bool(bias)
+        self.kdim = E if kdim is None else check_int(kdim, "kdim", 0, what="an integer >= 0")
+        self.vdim = E if vdim is None else check_int(vdim, "vdim", 0, what="an integer >= 0")
+        self.bias = bias
         self.dtype = check_dtype(dtype)
         self.head_dim = E // H
         self.packed = self.kdim == E and self.vdim == E
-        self.params = self._init_params(np.random.default_rng(seed))
+        self._config = self._make_config()
+        self._params = self._init_params(np.random.default_rng(seed))
         self._prepared = None  # see _prepared_weights
         self._frozen = False   # see freeze
         self._flipped = []     # the arrays freeze made read-only (unfreeze restores them)
 
     # ------------------------------------------------------------ parameters
+    #: a weight given as integers or bools is a mistake, not a number to cast
+    _integer_params = False
+    _config_keys = _CONFIG_KEYS
+
+    @property
+    def params(self):
+        """``{name: ndarray}``: the parameters themselves (the base's store, not a
+        copy; assigning an entry or the whole mapping is seen by the next call)."""
+        return self._params
+
+    @params.setter
+    def params(self, value):
+        self._params = value
+
     def param_shapes(self) -> dict:
         """``{name: shape}`` of every parameter, in state-dict order."""
         E, kvE = self.embed_dim, self.num_kv_heads * self.head_dim
@@ -177,13 +159,16 @@ class MultiHeadAttention:
                 params[name] = xavier(shape)
         return params
 
-    def state_dict(self) -> dict:
-        """``{name: array}``: copies of the parameters (PyTorch's names).
+    def _param_shapes(self):  # the base's hook: load_state_dict expects these
+        return self.param_shapes()
 
-        Writeable, independent copies, frozen layer or not: writing to them
-        never reaches the layer (load them back with :meth:`load_state_dict`).
-        """
-        return {name: a.copy() for name, a in self.params.items()}
+    def _names_error(self, expected, missing, unexpected):  # the base's hook: this layer's wording
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected)}")
+        return f"state_dict: expected the keys {', '.join(expected)}; " + "; ".join(parts)
 
     # ---------------------------------------------------------------- freeze
     @property
@@ -228,7 +213,7 @@ class MultiHeadAttention:
 
     def unfreeze(self):
         """Make the parameters writeable again and drop the packed copy.  Returns ``self``."""
-        current = {id(a) for a in self.params.values()}
+        current = {id(a) for a in self._params.values()}
         for a in getattr(self, "_flipped", ()):
             if id(a) in current:
                 a.flags.writeable = True
@@ -243,7 +228,7 @@ class MultiHeadAttention:
         flipped = getattr(self, "_flipped", None)
         if flipped is None:
             flipped = self._flipped = []
-        params = self.params
+        params = self._params
         copies = {}
         for name, a in params.items():
             if isinstance(a, np.ndarray) and a.flags.writeable:
@@ -256,50 +241,23 @@ class MultiHeadAttention:
                 for name, a in copies.items():
                     params[name] = a
             except TypeError:  # a read-only mapping
-                self.params = {**params, **copies}
+                self._params = {**params, **copies}
 
-    def load_state_dict(self, state_dict, *, prefix=""):
-        """Load parameters from a mapping of names to arrays (or torch tensors).
-
-        The names (after ``prefix``) and shapes must be exactly this layer's
-        (:meth:`param_shapes`); values are copied and cast to the layer's
-        dtype; NaN or infinite values raise ValueError (nothing is changed on
-        error).  Returns ``self``.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
-        shapes = self.param_shapes()
-        keys = [k[len(prefix):] for k in state_dict if isinstance(k, str) and k.startswith(prefix)]
-        missing = [n for n in shapes if n not in keys]
-        unexpected = sorted(set(keys) - set(shapes))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(prefix + n for n in missing)}")
-            if unexpected:
-                parts.append(f"unexpected {', '.join(prefix + n for n in unexpected)}")
-            raise ValueError(
-                f"state_dict: expected the keys {', '.join(prefix + n for n in shapes)}; "
-                + "; ".join(parts)
-            )
-        new = {}
-        for name, shape in shapes.items():
-            a = _to_numpy(state_dict[prefix + name], f"state_dict[{prefix + name!r}]")
-            if a.shape != shape:
-                raise ValueError(f"state_dict[{prefix + name!r}]: expected shape {shape}, got {a.shape}")
-            if not np.all(np.isfinite(a)):  # as every other layer's load_state_dict
-                raise ValueError(f"state_dict[{prefix + name!r}]: contains NaN or infinite values")
-            new[name] = np.array(a, dtype=self.dtype, order="C", copy=True)
-        self.params = new
-        if self.frozen:  # stays frozen: the new arrays read-only, repacked on the next call
+    def _after_load(self):
+        """After :meth:`load_state_dict` (the base's; ``prefix=`` selects the keys,
+        names and shapes are exactly :meth:`param_shapes`, values are copied and
+        cast to the layer's dtype): the new arrays are prepared again on the
+        next call; a frozen layer stays frozen (they are made read-only now and
+        repacked on the next call)."""
+        self._prepared = None
+        if self.frozen:
             self._flipped = []
             self._freeze_params()
-            self._prepared = None
-        return self
 
     # ---------------------------------------------------------------- config
-    def get_config(self) -> dict:
-        """The constructor arguments (JSON-serialisable) that rebuild this layer's shape."""
+    def _make_config(self) -> dict:
+        """The constructor arguments (JSON-serialisable) that rebuild this layer's shape
+        (``get_config()``; the seed is not recorded)."""
         return {
             "embed_dim": self.embed_dim,
             "num_heads": self.num_heads,
@@ -310,20 +268,6 @@ class MultiHeadAttention:
             "dtype": self.dtype.name,
         }
 
-    @classmethod
-    def from_config(cls, config, *, seed=None):
-        """A new layer (freshly initialised) from :meth:`get_config`'s dict."""
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config: expected a mapping, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"config: unknown keys {unknown}; expected some of {list(_CONFIG_KEYS)}")
-        for req in ("embed_dim", "num_heads"):
-            if req not in config:
-                raise ValueError(f"config: missing required key {req!r}")
-        kwargs = dict(config)
-        return cls(kwargs.pop("embed_dim"), kwargs.pop("num_heads"), seed=seed, **kwargs)
-
     def __repr__(self):
         extra = "" if self.packed else f", kdim={self.kdim}, vdim={self.vdim}"
         if self.num_kv_heads != self.num_heads:
@@ -333,7 +277,7 @@ class MultiHeadAttention:
 
     # --------------------------------------------------------------- forward
     def _weights(self):
-        p = self.params
+        p = self._params
         kw = {"w_out": p["out_proj.weight"], "b_out": p.get("out_proj.bias")}
         b = p.get("in_proj_bias")
         if self.packed:
@@ -353,7 +297,12 @@ class MultiHeadAttention:
         return state
 
     def __setstate__(self, state):
+        if "params" in state:  # pickled before the base's store: {"params": ...}
+            state = dict(state)
+            state["_params"] = state.pop("params")
         self.__dict__.update(state)
+        if "_config" not in state:
+            self._config = self._make_config()
         self._prepared = None
         self._flipped = []
         if self.frozen:  # unpickled arrays are writeable: freeze them again
@@ -368,7 +317,7 @@ class MultiHeadAttention:
         invalid: the general path then checks and reports it on every call).
         A frozen layer's carry the packed projection weights as well; a
         parameter array replaced since is frozen before they are made."""
-        params = self.params
+        params = self._params
         cached = getattr(self, "_prepared", None)
         if cached is not None and cached[0] is params and len(params) == len(cached[1]):
             get = params.get
@@ -383,7 +332,7 @@ class MultiHeadAttention:
         frozen = self.frozen
         if frozen:
             self._freeze_params()
-            params = self.params
+            params = self._params
         snapshot = tuple((name, a, getattr(a, "shape", None), getattr(a, "dtype", None))
                          for name, a in params.items())
         try:
@@ -465,7 +414,7 @@ class MultiHeadAttention:
         (float32 unless they are float64).
         """
         if num_heads is not None:
-            num_heads = _check_int(num_heads, "num_heads")
+            num_heads = check_int(num_heads, "num_heads", what=_POSITIVE)
         if isinstance(module_or_state_dict, Mapping):
             if num_heads is None:
                 raise TypeError(
@@ -491,7 +440,7 @@ class MultiHeadAttention:
             num_heads = m.num_heads
             sd = m.state_dict()
             prefix = ""
-        H = _check_int(num_heads, "num_heads")
+        H = check_int(num_heads, "num_heads", what=_POSITIVE)
         names = [k[len(prefix):] for k in sd if isinstance(k, str) and k.startswith(prefix)]
         for bad in ("bias_k", "bias_v"):
             if bad in names:
@@ -500,7 +449,7 @@ class MultiHeadAttention:
         if key_w not in sd:
             raise ValueError(f"state_dict: expected a torch.nn.MultiheadAttention state dict with "
                              f"{key_w!r}; got keys {sorted(sd)[:8]}")
-        w_out = _to_numpy(sd[key_w], f"state_dict[{key_w!r}]")
+        w_out = as_param_array(sd[key_w], f"state_dict[{key_w!r}]", integers=False)
         if w_out.ndim != 2:
             raise ValueError(f"state_dict[{key_w!r}]: expected a 2-D (E, E) weight, got shape {w_out.shape}")
         E = w_out.shape[1]
@@ -509,15 +458,15 @@ class MultiHeadAttention:
         dh = E // H
         if prefix + "in_proj_weight" in sd:
             key_in = prefix + "in_proj_weight"
-            w_in = _to_numpy(sd[key_in], f"state_dict[{key_in!r}]")
+            w_in = as_param_array(sd[key_in], f"state_dict[{key_in!r}]", integers=False)
             if w_in.ndim != 2:
                 raise ValueError(f"state_dict[{key_in!r}]: expected a 2-D ((H + 2 Hkv) dh, E) weight, "
                                  f"got shape {w_in.shape}")
             rows = w_in.shape[0]
             kdim = vdim = E
         elif prefix + "k_proj_weight" in sd and prefix + "v_proj_weight" in sd:
-            kw = _to_numpy(sd[prefix + "k_proj_weight"], "k_proj_weight")
-            vw = _to_numpy(sd[prefix + "v_proj_weight"], "v_proj_weight")
+            kw = as_param_array(sd[prefix + "k_proj_weight"], "k_proj_weight", integers=False)
+            vw = as_param_array(sd[prefix + "v_proj_weight"], "v_proj_weight", integers=False)
             if kw.ndim != 2 or vw.ndim != 2:
                 raise ValueError(f"state_dict: k/v_proj_weight must be 2-D, got {kw.shape}, {vw.shape}")
             rows, kdim, vdim = E + 2 * kw.shape[0], kw.shape[1], vw.shape[1]
@@ -556,7 +505,7 @@ class MultiHeadAttention:
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
-        H = _check_int(num_heads, "num_heads")
+        H = check_int(num_heads, "num_heads", what=_POSITIVE)
         base = None
         for cand in (prefix + "attention.", prefix):
             if cand + "self.query.weight" in state_dict:
@@ -591,7 +540,7 @@ class MultiHeadAttention:
                 if required:
                     raise ValueError(f"state_dict: missing {k!r}")
                 return None
-            return _to_numpy(state_dict[k], f"state_dict[{k!r}]")
+            return as_param_array(state_dict[k], f"state_dict[{k!r}]", integers=False)
 
         wq, wk, wv = get("self.query.weight"), get("self.key.weight"), get("self.value.weight")
         wo = get("output.dense.weight")

@@ -31,23 +31,9 @@ import math
 import numpy as np
 
 from .. import functional as F
-from ._base import Layer, as_float_input, check_bool, check_dtype, check_int
+from ._base import Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int
 
 __all__ = ["Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "lengths_from_mask"]
-
-
-def _rng(seed):
-    if isinstance(seed, np.random.Generator):
-        return seed
-    return np.random.default_rng(seed)
-
-
-def _config_seed(seed):
-    if seed is None or isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return None if seed is None else int(seed)
-    if isinstance(seed, np.random.Generator):
-        return None
-    raise TypeError(f"seed: expected None, an int or a np.random.Generator, got {type(seed).__name__}")
 
 
 def _torch_state(obj):

@@ -28,9 +28,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import functional as F
-from ._base import Layer, as_float_input, check_dtype, check_int
-from .attention import _similarity_config, init_similarity_params, resolve_similarity
-from .rnn import Embedding, Linear, RNNEncoder, _config_seed, _rng, rnn_class
+from ._base import (Layer, _config_seed, _rng, _similarity_config, as_float_input, check_dtype,
+                    check_int, init_similarity_params, resolve_similarity)
+from .rnn import Embedding, Linear, RNNEncoder, rnn_class
 
 __all__ = ["AttentionDecoder", "Seq2Seq", "Memory", "DecodeResult"]
 
@@ -284,12 +284,14 @@ class Seq2Seq(Layer):
         return {"encoder": self.encoder, "decoder": self.decoder}
 
     @classmethod
-    def from_config(cls, config):
-        if not isinstance(config, dict):
-            raise TypeError(f"config: expected a dict, got {type(config).__name__}")
-        cfg = dict(config)
-        enc = RNNEncoder.from_config(cfg.pop("encoder"))
-        dec = AttentionDecoder.from_config(cfg.pop("decoder"))
+    def from_config(cls, config, *, seed=None):
+        """A new model (freshly initialised) from :meth:`get_config`'s dict; ``seed``,
+        when given, replaces the encoder's and decoder's (one Generator drawn by
+        both, as ``RNNEncoder`` shares its seed between its sub-layers)."""
+        cfg = cls._check_config(config)
+        rng = None if seed is None else _rng(seed)
+        enc = RNNEncoder.from_config(cfg.pop("encoder"), seed=rng)
+        dec = AttentionDecoder.from_config(cfg.pop("decoder"), seed=rng)
         return cls(enc, dec, **cfg)
 
     # ------------------------------------------------------------ encode
