@@ -93,6 +93,11 @@ typedef struct {
     double scale;
     void *out;
     void *weights;             /* NULL unless weights are wanted */
+    /* NULL, or (batch..., Lq) with batch strides l_bs and contiguous rows: the
+     * natural-log log-sum-exp of each row's scaled, masked scores over its
+     * allowed keys; -inf for a row with none */
+    void *lse;
+    const int64_t *l_bs;
     /* plan */
     int64_t block_q;           /* query rows per task */
     int64_t block_k;           /* key rows per tile (streaming path) */

@@ -122,18 +122,20 @@ def set_simd_disabled(bint disable):
 def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
          cnp.ndarray out, object weights, tuple batch_shape, bint causal,
          int64_t causal_offset, double scale, int64_t block_q, int64_t block_k,
-         int path, bint direct, int n_threads):
+         int path, bint direct, int n_threads, object lse=None):
     """Run the kernel.  Returns the C status code (0 = OK).
 
     q, k, v, out (and mask, weights when given) share one float dtype, have
     contiguous last axes and BLAS-valid row strides; their leading dims
     broadcast to batch_shape.  A mask row stride of 0 means one key mask for
-    all queries (its query dim has size 1).
+    all queries (its query dim has size 1).  lse, when given: (..., Lq, 1) of
+    the same dtype with a unit row stride, written with each row's
+    log-sum-exp (-inf for a row with no allowed key).
     """
     cdef fa_sdpa_args a
     cdef layout_bufs lb
     cdef int rc
-    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, batch_shape)
+    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, lse, batch_shape)
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
@@ -385,6 +387,7 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     a.scale = sc
     a.out = cnp.PyArray_DATA(out)
     a.weights = NULL
+    a.lse = NULL
     a.block_q = p_bq
     a.block_k = p_bk
     a.path = p_path

@@ -42,6 +42,23 @@ def softmax_rows(s):
     return np.where(fully, 0.0, w)
 
 
+def logsumexp_rows(s):
+    """log(sum(exp(s))) over the last axis in float64, shifted by the row max;
+    -inf for a row of only -inf (no allowed key); NaN propagates."""
+    s = np.asarray(s, dtype=np.float64)
+    if s.shape[-1] == 0:
+        return np.full(s.shape[:-1], -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0.0, m)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return (m + np.log(np.sum(np.exp(s - m), axis=-1, keepdims=True)))[..., 0]
+
+
+def _results(out, w, s, return_weights, return_lse):
+    res = (out,) + ((w,) if return_weights else ()) + ((logsumexp_rows(s),) if return_lse else ())
+    return res[0] if len(res) == 1 else res
+
+
 def scaled_dot_product_attention(
     query,
     key,
@@ -52,6 +69,7 @@ def scaled_dot_product_attention(
     *,
     causal_alignment="top_left",
     return_weights=False,
+    return_lse=False,
 ):
     """softmax(scale * q k^T + bias, masked) @ v in float64; fully masked rows give 0."""
     q = np.asarray(query, dtype=np.float64)
@@ -59,10 +77,7 @@ def scaled_dot_product_attention(
     v = np.asarray(value, dtype=np.float64)
     s, _ = _allowed_and_scores(q, k, attn_mask, is_causal, scale, causal_alignment)
     w = softmax_rows(s)
-    out = np.matmul(w, v)
-    if return_weights:
-        return out, w
-    return out
+    return _results(np.matmul(w, v), w, s, return_weights, return_lse)
 
 
 # ---------------------------------------------------------------------------
@@ -72,7 +87,7 @@ def scaled_dot_product_attention(
 # fastattn.similarity.
 
 def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
-              causal_alignment="top_left", return_weights=False):
+              causal_alignment="top_left", return_weights=False, return_lse=False):
     """softmax(score_fn(q, k) + mask) @ v in float64; fully masked rows give 0.
 
     score_fn(q, k) gets float64 arrays (..., Lq, d_q), (..., Lk, d_k) and
@@ -94,11 +109,9 @@ def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
         off = 0 if causal_alignment == "top_left" else Lk - Lq
         allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
     s, allowed = np.broadcast_arrays(s, allowed)
-    w = softmax_rows(np.where(allowed, s, -np.inf))
-    out = np.matmul(w, v)
-    if return_weights:
-        return out, w
-    return out
+    s = np.where(allowed, s, -np.inf)
+    w = softmax_rows(s)
+    return _results(np.matmul(w, v), w, s, return_weights, return_lse)
 
 
 def _f64(*xs):

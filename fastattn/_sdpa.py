@@ -172,6 +172,7 @@ def scaled_dot_product_attention(
     causal_alignment="top_left",
     out=None,
     n_threads=None,
+    return_lse=False,
 ):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + mask) V``.
 
@@ -206,10 +207,18 @@ def scaled_dot_product_attention(
         main thread) its contents are unspecified.
     n_threads : int, optional
         Threads for this call (see :func:`fastattn.get_num_threads`).
+    return_lse : bool
+        Also return ``lse``, shape (..., Lq) (the broadcast batch shape), in
+        the compute dtype: for each query the natural-log log-sum-exp over
+        its allowed keys of the scaled, masked scores (``-inf`` for a row
+        with no allowed key).  With it, the weights are
+        ``exp(scale * q.k + mask - lse)``: what a backward pass or a merge of
+        attention over disjoint key sets needs, without the weights matrix.
 
     Returns
     -------
-    ndarray of shape (..., Lq, dv), or ``(output, weights)``.
+    ndarray of shape (..., Lq, dv); with ``return_weights`` and/or
+    ``return_lse``, a tuple ``(output[, weights][, lse])`` in that order.
     Rows with no allowed key are zeros.  The dtype follows NumPy promotion of
     query, key and value: float32 and float64 are computed natively, float16
     in float32 (returned as float16), integers and bool as float64.  Complex
@@ -220,7 +229,7 @@ def scaled_dot_product_attention(
     # has nothing to canonicalise: the binding checks those buffer properties
     # and remembers the plan of each signature.  Anything else (including
     # every error) takes the general path.
-    if (attn_mask is None and out is None and return_weights is False
+    if (attn_mask is None and out is None and return_weights is False and return_lse is False
             and (is_causal is False or is_causal is True)
             and (scale is None or type(scale) is not float or math.isfinite(scale))):
         if causal_alignment == "top_left":
@@ -237,7 +246,7 @@ def scaled_dot_product_attention(
                     _raise_status(r)
                 return r
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-                 causal_alignment, out, n_threads)
+                 causal_alignment, out, n_threads, return_lse)
     return _run(p)
 
 
@@ -263,6 +272,7 @@ class _Prepared(NamedTuple):
     causal_offset: int
     scale: float
     want_weights: bool
+    want_lse: bool
     out: object
     n_threads: int
     cdt: np.dtype
@@ -271,7 +281,7 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-             causal_alignment, out, n_threads):
+             causal_alignment, out, n_threads, return_lse=False):
     q, k, v = check_qkv(query, key, value)
     Lq, d = q.shape[-2:]
     Lk, dk = k.shape[-2:]
@@ -301,6 +311,10 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(
             f"return_weights: expected a bool, got {type(return_weights).__name__} {return_weights!r}"
+        )
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(
+            f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}"
         )
 
     cdt, rdt = result_dtypes(q, k, v)
@@ -338,7 +352,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
     if is_causal and causal_alignment == "bottom_right":
         off = Lk - Lq
     return _Prepared(qc, kc, vc, mask, mask_kind, batch, Lq, Lk, d, dv, bool(is_causal),
-                     causal_alignment, off, scale, bool(return_weights), out, nt, cdt, rdt,
+                     causal_alignment, off, scale, bool(return_weights), bool(return_lse), out, nt, cdt, rdt,
                      tuple(copies))
 
 
@@ -397,8 +411,10 @@ def _run(p: _Prepared):
     if not direct:
         res = np.empty(out_shape, dtype=p.cdt)
     weights = np.empty(w_shape, dtype=p.cdt) if p.want_weights else None
+    lse = np.empty(p.batch + (p.Lq,), dtype=p.cdt) if p.want_lse else None
 
-    empty = math.prod(out_shape) == 0 and (weights is None or weights.size == 0)
+    empty = (math.prod(out_shape) == 0 and (weights is None or weights.size == 0)
+             and (lse is None or lse.size == 0))
     if not empty:
         q, k, v = p.q, p.k, p.v
         if p.d == 0:  # scores are all 0: any width-1 zeros do
@@ -413,32 +429,37 @@ def _run(p: _Prepared):
                                              p.cdt.itemsize)
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
-                           p.causal, p.causal_offset, p.scale, bq, bk, path, no_blas, nt)
+                           p.causal, p.causal_offset, p.scale, bq, bk, path, no_blas, nt,
+                           None if lse is None else lse[..., None])
         if rc:
             _raise_status(rc)
 
-    return _finish(p, res, weights)
+    return _finish(p, res, weights, lse)
 
 
-def _finish(p: _Prepared, res, weights):
+def _finish(p: _Prepared, res, weights, lse=None):
     """The call's result from the kernel's output ``res`` (``p.out`` itself or a
-    buffer in the compute dtype) and weights: copied into ``out=`` or cast to the
-    result dtype; ``(res, weights)`` when weights were asked for."""
+    buffer in the compute dtype), weights and lse: copied into ``out=`` or cast
+    to the result dtype (lse stays in the compute dtype); ``(res[, weights][,
+    lse])`` when either was asked for."""
     if p.out is not None:
         if res is not p.out:
             np.copyto(p.out, res, casting="unsafe")
         res = p.out
     elif p.rdt != p.cdt:
         res = res.astype(p.rdt)
+    if p.want_weights and p.rdt != p.cdt:
+        weights = weights.astype(p.rdt)
+    if p.want_lse:
+        return (res, weights, lse) if p.want_weights else (res, lse)
     if p.want_weights:
-        if p.rdt != p.cdt:
-            weights = weights.astype(p.rdt)
         return res, weights
     return res
 
 
 def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-            return_weights=False, causal_alignment="top_left", out=None, n_threads=None) -> Plan:
+            return_weights=False, causal_alignment="top_left", out=None, n_threads=None,
+            return_lse=False) -> Plan:
     """Say how :func:`scaled_dot_product_attention` would run these arguments.
 
     Takes the same arguments, validates them the same way, and returns a
@@ -446,8 +467,9 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     without computing anything.
     """
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-                 causal_alignment, out, n_threads)
-    if math.prod(p.batch) * p.Lq * p.dv == 0 and not (p.want_weights and math.prod(p.batch) * p.Lq * p.Lk):
+                 causal_alignment, out, n_threads, return_lse)
+    nrows = math.prod(p.batch) * p.Lq
+    if nrows * p.dv == 0 and not (p.want_weights and nrows * p.Lk) and not (p.want_lse and nrows):
         return Plan("empty", False, p.cdt.name, p.batch, 0, 0, 1, 0,
                     p.causal_alignment if p.causal else None,
                     _MASK_NAMES[p.mask_kind], p.copies,
