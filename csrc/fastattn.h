@@ -115,6 +115,46 @@ typedef struct {
 int fa_sdpa_f32(const fa_sdpa_args *a);
 int fa_sdpa_f64(const fa_sdpa_args *a);
 
+/*
+ * Backward of fa_sdpa (FlashAttention-2): the gradients of q, k, v (and of an
+ * additive mask) from dO = dL/d(out), the forward's output O and its row
+ * log-sum-exp, recomputing the scores tile by tile (no Lq x Lk matrix).
+ *
+ * f: the forward's arguments -- q, k, v, mask, causal, scale as in the
+ * forward; out = O (read only); lse (batch..., Lq) as the forward wrote it;
+ * weights NULL; block_q / block_k the tiles; n_threads; stop.
+ * dq (batch..., Lq, d), dk (batch..., Lk, d), dv (batch..., Lk, dv): one
+ * gradient per batch item of the broadcast batch (the caller sums broadcast
+ * dims), contiguous rows, none of them broadcast (batch strides nonzero where
+ * the batch dim is > 1) and none overlapping another array.
+ * dmask: NULL, or (batch..., Lq, Lk) written with dS, the gradient of the
+ * additive mask for every batch item.  delta: scratch of
+ * (number of batch items) x Lq elements (D = rowsum(dO o O)).
+ *
+ * Three pool runs: D per (item, query block); dK, dV per (item, key block),
+ * over the query blocks that see the block; dQ per (item, query block), over
+ * its key tiles.  Every output element is summed by one task in a fixed
+ * order: the result does not depend on the thread count.  BLAS gemm tiles
+ * (BLAS held at one thread).  Rows whose lse is -inf (no allowed key) get
+ * exact zero gradients.
+ */
+typedef struct {
+    fa_sdpa_args f;
+    const void *grad_out;
+    const int64_t *g_bs;
+    int64_t ldg;
+    void *dq, *dk, *dv;
+    const int64_t *dq_bs, *dk_bs, *dv_bs;
+    int64_t lddq, lddk, lddv;
+    void *dmask;
+    const int64_t *dm_bs;
+    int64_t lddm;
+    void *delta;
+} fa_sdpa_bwd_args;
+
+int fa_sdpa_bwd_f32(const fa_sdpa_bwd_args *a);
+int fa_sdpa_bwd_f64(const fa_sdpa_bwd_args *a);
+
 /* Worker threads alive in fastattn's pool. */
 int fa_pool_workers(void);
 /* Tasks run by pool workers in the last call that posted work (tests). */

@@ -80,6 +80,44 @@ def scaled_dot_product_attention(
     return _results(np.matmul(w, v), w, s, return_weights, return_lse)
 
 
+def _reduce_to(g, shape):
+    """Sum a gradient computed on broadcast operands back to an input's shape."""
+    shape = tuple(shape)
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    for ax, n in enumerate(shape):
+        if n == 1 and g.shape[ax] != 1:
+            g = g.sum(axis=ax, keepdims=True)
+    return g
+
+
+def scaled_dot_product_attention_backward(grad_out, query, key, value, attn_mask=None,
+                                          is_causal=False, scale=None, *,
+                                          causal_alignment="top_left"):
+    """(dq, dk, dv, dmask) of the float64 SDPA above, from the dense matrices:
+    P = softmax(S), dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)),
+    dQ = scale dS K, dK = scale dS^T Q, dmask = dS (None without a float mask);
+    each summed back to its input's shape."""
+    q = np.asarray(query, dtype=np.float64)
+    k = np.asarray(key, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    g = np.asarray(grad_out, dtype=np.float64)
+    d = q.shape[-1]
+    sc = (1.0 / np.sqrt(d) if d > 0 else 1.0) if scale is None else float(scale)
+    s, _ = _allowed_and_scores(q, k, attn_mask, is_causal, sc, causal_alignment)
+    p = softmax_rows(s)
+    dv = np.matmul(np.swapaxes(p, -1, -2), g)
+    dp = np.matmul(g, np.swapaxes(v, -1, -2))
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    ds = np.where(p > 0, ds, 0.0)  # no allowed key / masked: no gradient (even from NaN)
+    dq = sc * np.matmul(ds, k)
+    dk = sc * np.matmul(np.swapaxes(ds, -1, -2), q)
+    dmask = None
+    if attn_mask is not None and np.asarray(attn_mask).dtype != np.bool_:
+        dmask = _reduce_to(ds, np.shape(attn_mask))
+    return (_reduce_to(dq, q.shape), _reduce_to(dk, k.shape), _reduce_to(dv, v.shape), dmask)
+
+
 # ---------------------------------------------------------------------------
 # fastattn.attention: any score function.  Each score formula below is
 # written straight from its textbook definition, in float64, building the

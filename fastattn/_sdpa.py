@@ -21,9 +21,11 @@ from ._validation import (
     BLAS_INT_MAX,
     broadcast_batch,
     canonical_matrix_stack,
+    check_grad_array,
     check_out,
     check_qkv,
     result_dtypes,
+    sum_to_shape,
 )
 
 __all__ = ["scaled_dot_product_attention", "explain", "Plan"]
@@ -486,3 +488,97 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
+
+
+# ------------------------------------------------------------------ backward
+
+# Tiles of the backward kernel (csrc/fa_sdpa_bwd_impl.h): query rows x keys
+# per recomputed score tile.
+BWD_BLOCK_Q = 128
+BWD_BLOCK_K = 128
+
+
+def _grad_dtype(x, cdt):
+    """A gradient's dtype: its input's when that is a float dtype, else the compute dtype."""
+    dt = getattr(x, "dtype", None)
+    if dt is not None and dt.kind == "f" and dt.itemsize <= 8:
+        return dt
+    return cdt
+
+
+def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
+                  scale=None, *, causal_alignment="top_left", mask_grad=False, n_threads=None):
+    """Gradients of :func:`scaled_dot_product_attention` (FlashAttention-2).
+
+    Parameters
+    ----------
+    grad_out : array_like (..., Lq, dv)
+        dL/d(output), the shape of the forward's output.
+    query, key, value, attn_mask, is_causal, scale, causal_alignment
+        The forward's arguments, unchanged.
+    out, lse : array_like
+        The forward's output ``(..., Lq, dv)`` and its ``lse`` ``(..., Lq)``
+        (``return_lse=True``): the scores are recomputed tile by tile from
+        them, never an ``Lq x Lk`` matrix.
+    mask_grad : bool
+        Also return ``dmask``, the gradient of a float ``attn_mask`` (its
+        shape; needs ``(..., Lq, Lk)`` memory while it is summed).
+    n_threads : int, optional
+        Threads for this call.
+
+    Returns
+    -------
+    ``(dq, dk, dv)``, or ``(dq, dk, dv, dmask)`` with ``mask_grad``.  Each has
+    its input's shape (dims that were broadcast are summed back) and dtype (a
+    non-float input gets the compute dtype).  Rows with no allowed key give
+    exact zero gradients.  The result depends on the inputs only, not on the
+    thread count.
+    """
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, False, causal_alignment, None,
+                 n_threads)
+    if not isinstance(mask_grad, (bool, np.bool_)):
+        raise TypeError(f"mask_grad: expected a bool, got {type(mask_grad).__name__} {mask_grad!r}")
+    if mask_grad and p.mask_kind != _masks.MASK_ADD:
+        raise ValueError(
+            "mask_grad: expected a float attn_mask (only an additive mask has a gradient), got "
+            + ("no attn_mask" if p.mask is None else "a bool attn_mask"))
+    cdt = p.cdt
+    osh = p.batch + (p.Lq, p.dv)
+    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh, cdt), cdt)
+    o = canonical_matrix_stack(check_grad_array(out, "out", osh, cdt), cdt)
+    ls = check_grad_array(lse, "lse", p.batch + (p.Lq,), cdt)
+    if ls.dtype != cdt or (p.Lq > 1 and ls.strides[-1] != ls.itemsize) or not ls.flags.aligned:
+        ls = np.array(ls, dtype=cdt, order="C")
+
+    nrows = math.prod(p.batch) * p.Lq
+    run = bool(nrows and p.Lk and p.dv)  # otherwise every gradient is a sum of nothing: zeros
+    new = np.empty if run else np.zeros  # the kernel writes every element
+    dq = new(p.batch + (p.Lq, p.d), cdt)
+    dk = new(p.batch + (p.Lk, p.d), cdt)
+    dv = new(p.batch + (p.Lk, p.dv), cdt)
+    dmask = np.zeros(p.batch + (p.Lq, p.Lk), cdt) if mask_grad else None
+    if run:
+        q, k, dq_k, dk_k = p.q, p.k, dq, dk
+        if p.d == 0:  # the scores are 0: any width-1 zeros do (their gradients are dropped)
+            q = np.zeros(p.q.shape[:-1] + (1,), cdt)
+            k = np.zeros(p.k.shape[:-1] + (1,), cdt)
+            dq_k = np.empty(p.batch + (p.Lq, 1), cdt)
+            dk_k = np.empty(p.batch + (p.Lk, 1), cdt)
+        nt = p.n_threads
+        if 10.0 * math.prod(p.batch) * p.Lq * p.Lk * (max(p.d, 1) + p.dv) < PARALLEL_MIN_FLOPS:
+            nt = 1
+        delta = np.empty(nrows, cdt)
+        _threads.ensure_blas_hook()
+        rc = _kernels.sdpa_backward(
+            q, k, p.v, o, g, ls[..., None], p.mask, p.mask_kind, dq_k, dk_k, dv, dmask, delta,
+            p.batch, p.causal, p.causal_offset, p.scale, max(1, min(BWD_BLOCK_Q, p.Lq)),
+            max(1, min(BWD_BLOCK_K, p.Lk)), nt)
+        if rc:
+            _raise_status(rc)
+    grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),
+             sum_to_shape(dk, np.shape(p.k)).astype(_grad_dtype(key, cdt), copy=False),
+             sum_to_shape(dv, np.shape(p.v)).astype(_grad_dtype(value, cdt), copy=False)]
+    if mask_grad:
+        m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        grads.append(sum_to_shape(dmask, m.shape).astype(m.dtype, copy=False))
+    return tuple(grads)
