@@ -7,7 +7,7 @@
  * (float: x + x^3 P(x^2), P of degree 4 fitted for least maximum relative
  * error; double: the [9/8] Pade approximant), above it 1 - 2 / (exp(2|x|) + 1)
  * with our own exp (Cody-Waite reduction and polynomial, as in fa_simd.c).
- * Bounds are measured and pinned by tests/test_additive_kernel.py (float
+ * Bounds are measured and pinned by tests/similarity/test_additive_kernel.py (float
  * against float64 tanh on a dense grid of [-10, 10] plus random inputs, double
  * against mpmath).  tanh(+-inf) = +-1, tanh(+-0) = +-0, NaN stays NaN.
  * Each score is a sum of d_a such terms times v_a, so its absolute error is

@@ -2,14 +2,14 @@
  * Vectorised exp (AVX2/FMA) shared by fa_simd.c and fa_additive.c: the
  * includer defines AVX2 (the target attribute) and includes <immintrin.h>.
  * float: <= 2 ulp over the softmax range (measured 0.98), double: <= 1 ulp
- * (tests/test_exp.py); exact 0 for -inf, NaN propagates.
+ * (tests/kernels/test_exp.py); exact 0 for -inf, NaN propagates.
  */
 #ifndef FA_EXP_AVX2_H
 #define FA_EXP_AVX2_H
 
 /* exp(r) for |r| <= ln2/2 as 1 + r + r^2 * P(r), P of degree 4: coefficients
  * fitted for least maximum relative error (3.1e-9, far below float32's
- * rounding; the float32 evaluation keeps the result within 2 ulp -- tests/test_exp.py) */
+ * rounding; the float32 evaluation keeps the result within 2 ulp -- tests/kernels/test_exp.py) */
 AVX2 static inline __m256 exp8_poly_f32(__m256 r)
 {
     __m256 p = _mm256_set1_ps(1.381461275741458e-3f);

@@ -2,7 +2,7 @@
  * Vectorised tanh (AVX2/FMA) shared by fa_additive.c and fa_rnn.c: the
  * includer defines AVX2 (the target attribute), includes <immintrin.h> and
  * fa_exp_avx2.h.  Construction and bounds: fa_additive.c's header comment
- * (float <= 2 ulp, double <= 3 ulp; tests/test_additive_kernel.py pins them).
+ * (float <= 2 ulp, double <= 3 ulp; tests/similarity/test_additive_kernel.py pins them).
  * tanh(+-inf) = +-1, tanh(+-0) = +-0, NaN stays NaN.
  */
 #ifndef FA_TANH_AVX2_H

@@ -1,0 +1,873 @@
+"""The bad-input table (docs/bad_input.md), one test per row.
+
+Every public entry point is described once in ``EPS`` (how to build valid
+inputs of given sizes, how to call it, the shape of its result); each row of
+the table is one test below, parametrized over the entry points it applies
+to.  The test names carry the row number: ``test_row03_...`` is row 3 of the
+table.  Rows whose cases live elsewhere too name those files in the docs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import fastattn
+import fastattn.testing
+from fastattn import functional as F
+from fastattn import layers as L
+from fastattn._attention import SimilarityError
+
+RNG = np.random.default_rng(1234)
+DIMS = dict(B=2, Lq=3, Lk=5, d=4, dv=6)
+
+
+def _r(*shape):
+    return RNG.standard_normal(shape)
+
+
+class _NumpyDot(fastattn.Similarity):
+    """A NumPy plugin (the tiled path)."""
+
+    name = "bad_input_numpy_dot"
+
+    def score(self, query, key, params):
+        return query @ np.swapaxes(key, -1, -2)
+
+
+SIMS = {
+    "dot": "dot",
+    "general": "general",
+    "additive": "additive",
+    "cosine": "cosine",
+    "numpy": _NumpyDot(),
+    "compiled": fastattn.testing.selftest_similarity(),
+}
+
+
+def _d(query):
+    """The feature size the parameters are made for (4 when query has no last axis)."""
+    return np.shape(query)[-1] if np.ndim(query) else 4
+
+
+def _params(sim, d):
+    s = fastattn.get_similarity(sim)
+    return s.init_params(d, d, rng=0, d_a=3)
+
+
+class EP:
+    """An entry point: ``make(dims) -> {param: array}``, ``call(**inputs)``,
+    ``out_shape(dims)``; which dims may be 0; per-param rank rules."""
+
+    def __init__(self, name, make, call, out_shape, zero=(), bad_ndims=None, f16=np.float16,
+                 first=None):
+        self.name, self.make, self.call, self.out_shape = name, make, call, out_shape
+        self.zero, self.bad_ndims, self.f16 = zero, bad_ndims or {}, f16
+        self.first = first  # the result's array (index into a tuple result)
+
+    def result(self, inputs):
+        r = self.call(**inputs)
+        if self.first is not None:
+            r = self.first(r)
+        return r
+
+
+def _qkv(D):
+    return dict(query=_r(D["B"], D["Lq"], D["d"]), key=_r(D["B"], D["Lk"], D["d"]),
+                value=_r(D["B"], D["Lk"], D["dv"]))
+
+
+def _mha_qkv(D):
+    return dict(query=_r(D["B"], D["Lq"], 4), key=_r(D["B"], D["Lk"], 4), value=_r(D["B"], D["Lk"], 4))
+
+
+_MHA_W = dict(num_heads=2, w_qkv=_r(12, 4), b_qkv=_r(12), w_out=_r(4, 4), b_out=_r(4))
+_QKV_RANKS = {"query": (0, 1), "key": (0, 1), "value": (0, 1)}
+_LAYERS = {  # float64 layers, built once
+    "Linear": L.Linear(4, 6, seed=0, dtype=np.float64),
+    "SimpleRNN": L.SimpleRNN(4, 6, seed=0, dtype=np.float64),
+    "GRU": L.GRU(4, 6, num_layers=2, bidirectional=True, seed=0, dtype=np.float64),
+    "LSTM": L.LSTM(4, 6, seed=0, dtype=np.float64),
+    "Attention": L.Attention(4, 4, 6, similarity="additive", seed=0, dtype=np.float64),
+    "SelfAttention": L.SelfAttention(4, similarity="general", causal=True, seed=0, dtype=np.float64),
+    "MultiHeadAttention": L.MultiHeadAttention(4, 2, seed=0, dtype=np.float64),
+}
+
+
+def _eps():
+    eps = [
+        EP("sdpa", _qkv, fastattn.scaled_dot_product_attention,
+           lambda D: (D["B"], D["Lq"], D["dv"]), zero="B Lq Lk d dv", bad_ndims=_QKV_RANKS),
+        EP("explain", _qkv, fastattn.explain, None, bad_ndims=_QKV_RANKS),
+    ]
+    for n, s in SIMS.items():
+        eps.append(EP(f"attention[{n}]", _qkv,
+                      lambda query, key, value, s=s: fastattn.attention(
+                          query, key, value, s, params=_params(s, _d(query))),
+                      lambda D: (D["B"], D["Lq"], D["dv"]), zero="B Lq Lk d dv", bad_ndims=_QKV_RANKS))
+    for n in ("dot", "additive", "compiled"):
+        s = SIMS[n]
+        eps.append(EP(f"PreparedAttention[{n}]", _qkv,
+                      lambda query, key, value, s=s: F.PreparedAttention(
+                          key, value, s, params=_params(s, _d(query)))(query),
+                      lambda D: (D["B"], D["Lq"], D["dv"]), zero="B Lq Lk d dv", bad_ndims=_QKV_RANKS))
+    eps += [
+        EP("multi_head_attention", _mha_qkv,
+           lambda query, key, value: fastattn.multi_head_attention(query, key, value, **_MHA_W),
+           lambda D: (D["B"], D["Lq"], 4), zero="B Lq Lk", f16=np.float64,  # float64 weights
+           bad_ndims={"query": (1, 4), "key": (2,), "value": (2,)}),
+        EP("linear", lambda D: dict(x=_r(D["B"], D["Lq"], D["d"]), weight=_r(D["dv"], D["d"]),
+                                    bias=_r(D["dv"])),
+           F.linear, lambda D: (D["B"], D["Lq"], D["dv"]), zero="B Lq d dv", f16=np.float16,
+           bad_ndims={"x": (0,), "weight": (1, 3), "bias": (0, 2)}),
+        EP("rnn_scan", lambda D: dict(xw=_r(D["B"], D["Lq"], 3 * D["d"]), w_hh=_r(3 * D["d"], D["d"]),
+                                      b_hh=_r(3 * D["d"]), h0=_r(D["B"], D["d"])),
+           F.rnn_scan, lambda D: (D["B"], D["Lq"], D["d"]), zero="B Lq d", f16=np.float16,
+           bad_ndims={"xw": (2, 4), "w_hh": (1, 3), "h0": (1, 3)}, first=lambda r: r[0]),
+        EP("rnn_cell", lambda D: dict(x=_r(D["B"], D["dv"]), h=_r(D["B"], D["d"]),
+                                      w_ih=_r(3 * D["d"], D["dv"]), b_ih=_r(3 * D["d"]),
+                                      w_hh=_r(3 * D["d"], D["d"]), b_hh=_r(3 * D["d"])),
+           F.rnn_cell, lambda D: (D["B"], D["d"]), zero="B d dv", f16=np.float16,
+           bad_ndims={"x": (1, 3), "h": (1, 3), "w_ih": (1, 3), "w_hh": (1, 3)}, first=lambda r: r[0]),
+        # layers (float64 parameters: float16 inputs are computed in float32, then promoted)
+        EP("Linear", lambda D: dict(x=_r(D["B"], D["Lq"], 4)), _LAYERS["Linear"],
+           lambda D: (D["B"], D["Lq"], 6), zero="B Lq", f16=np.float64, bad_ndims={"x": (0,)}),
+    ]
+    for n in ("SimpleRNN", "GRU", "LSTM"):
+        layer = _LAYERS[n]
+        D_out = 12 if n == "GRU" else 6
+        eps.append(EP(f"{n}.forward", lambda D: dict(x=_r(D["B"], D["Lq"], 4)), layer.forward,
+                      lambda D, o=D_out: (D["B"], D["Lq"], o), zero="B Lq", f16=np.float64,
+                      bad_ndims={"x": (1, 4)}, first=lambda r: r[0]))
+    eps += [
+        EP("LSTM.step", lambda D: dict(x=_r(D["B"], 4)), _LAYERS["LSTM"].step,
+           lambda D: (D["B"], 6), zero="B", f16=np.float64, bad_ndims={"x": (1, 3)},
+           first=lambda r: r[0]),
+        EP("Attention", _qkv_layer, _LAYERS["Attention"], lambda D: (D["B"], D["Lq"], 6),
+           zero="B Lq Lk", f16=np.float64, bad_ndims={"query": (1, 4), "key": (2,), "value": (2,)}),
+        EP("SelfAttention", lambda D: dict(x=_r(D["B"], D["Lq"], 4)), _LAYERS["SelfAttention"],
+           lambda D: (D["B"], D["Lq"], 4), zero="B Lq", f16=np.float64, bad_ndims={"x": (1, 4)}),
+        EP("MultiHeadAttention", _mha_qkv, _LAYERS["MultiHeadAttention"],
+           lambda D: (D["B"], D["Lq"], 4), zero="B Lq Lk", f16=np.float64,
+           bad_ndims={"query": (1, 4), "key": (2,), "value": (2,)}),
+        EP("AttentionDecoder.precompute+step", lambda D: dict(memory=_r(D["B"], D["Lk"], 6)),
+           _decoder_step, lambda D: (D["B"], 10), zero="B Lk", f16=np.float64,
+           bad_ndims={"memory": (2, 4)}),
+    ]
+    return {e.name: e for e in eps}
+
+
+def _qkv_layer(D):
+    return dict(query=_r(D["B"], D["Lq"], 4), key=_r(D["B"], D["Lk"], 4), value=_r(D["B"], D["Lk"], 6))
+
+
+_DECODER = L.AttentionDecoder(10, 3, 5, 6, seed=0, dtype=np.float64)
+
+
+def _decoder_step(memory):
+    mem = _DECODER.precompute(memory)
+    B = mem.values.shape[0]
+    logits, _, _ = _DECODER.step(np.ones(B, np.int64), _DECODER.initial_state(B), mem)
+    return logits
+
+
+EPS = _eps()
+ARRAY_EPS = [n for n in EPS if n != "explain"]
+OUT_EPS = ["sdpa"] + [f"attention[{n}]" for n in SIMS]
+
+
+def _params_of(names):
+    return [(n, p) for n in names for p in EPS[n].make(DIMS)]
+
+
+def _snapshot(inputs):
+    return {k: np.array(v, copy=True) for k, v in inputs.items()}
+
+
+def _assert_unchanged(inputs, saved):
+    for k, v in saved.items():
+        np.testing.assert_array_equal(inputs[k], v, err_msg=f"{k} was modified")
+
+
+# ======================================================================
+# Row 1: wrong rank
+
+RANK_CASES = [(n, p, nd) for n in EPS for p, nds in EPS[n].bad_ndims.items() for nd in nds]
+
+
+@pytest.mark.parametrize("ep,param,ndim", RANK_CASES, ids=[f"{a}-{b}-{c}d" for a, b, c in RANK_CASES])
+def test_row01_wrong_rank(ep, param, ndim):
+    e = EPS[ep]
+    inputs = e.make(DIMS)
+    last = inputs[param].shape[-1]
+    inputs[param] = np.float64(1.0) if ndim == 0 else np.ones((2,) * (ndim - 1) + (last,))
+    with pytest.raises(ValueError, match=rf"^(\w+, )?{param}(, \w+)?: expected"):
+        e.call(**inputs)
+
+
+# ======================================================================
+# Row 2: mismatched sizes
+
+MISMATCH = [
+    # (entry point, param, new shape, message regex)
+    ("sdpa", "key", (2, 5, 3), r"^key: expected last dim 4"),
+    ("sdpa", "value", (2, 4, 6), r"^value: expected 5 rows"),
+    ("sdpa", "key", (3, 5, 4), r"^leading \(batch\) dimensions do not broadcast: query \(2,\), key \(3,\)"),
+    ("explain", "value", (2, 4, 6), r"^value: expected 5 rows"),
+    ("attention[dot]", "key", (2, 5, 3), r"^key: expected last dim 4"),
+    ("attention[numpy]", "value", (2, 4, 6), r"^value: expected 5 rows"),
+    ("attention[compiled]", "key", (2, 5, 3), r"^key: expected last dim 4"),
+    ("attention[additive]", "value", (3, 5, 6), r"^leading \(batch\) dimensions do not broadcast"),
+    ("PreparedAttention[additive]", "value", (2, 4, 6), r"^value: expected 5 rows"),
+    ("PreparedAttention[dot]", "key", (2, 5, 3), r"^key: expected last dim 4"),
+    ("multi_head_attention", "query", (2, 3, 6), r"^query: expected embedding size E=4"),
+    ("multi_head_attention", "key", (3, 5, 4), r"^key/value: expected batch size 2"),
+    ("multi_head_attention", "value", (2, 4, 4), r"^value: expected 5 rows"),
+    ("linear", "weight", (6, 3), r"^x: expected last dim 3 \(weight's in_features\)"),
+    ("linear", "bias", (5,), r"^bias: expected shape \(6,\)"),
+    ("rnn_scan", "xw", (2, 3, 11), r"^xw: expected last dim 12"),
+    ("rnn_scan", "w_hh", (12, 3), r"^w_hh: expected shape \(3 \* H, H\)"),
+    ("rnn_scan", "h0", (3, 4), r"^h0: expected shape \(2, 4\)"),
+    ("rnn_scan", "b_hh", (11,), r"^b_hh: expected shape \(12,\)"),
+    ("rnn_cell", "x", (3, 6), r"^x: expected shape \(2, I\)"),
+    ("rnn_cell", "w_ih", (12, 5), r"^w_ih: expected shape \(12, 6\)"),
+    ("rnn_cell", "w_hh", (12, 3), r"^w_hh: expected shape \(12, 4\)"),
+    ("rnn_cell", "b_hh", (11,), r"^b_hh: expected shape \(12,\)"),
+    ("Linear", "x", (2, 3, 5), r"^x: expected last dim 4"),
+    ("GRU.forward", "x", (2, 3, 5), r"^x: expected last dim 4"),
+    ("LSTM.step", "x", (2, 5), r"^x: expected last dim 4"),
+    ("Attention", "key", (2, 5, 3), r"^key: expected last dim 4"),
+    ("Attention", "key", (3, 5, 4), r"^value: expected leading shape \(3, 5\)"),
+    ("Attention", "value", (2, 4, 6), r"^value: expected leading shape \(2, 5\)"),
+    ("SelfAttention", "x", (2, 3, 5), r"^x: expected last dim 4"),
+    ("MultiHeadAttention", "key", (2, 5, 3), r"^key: expected last dim kdim=4"),
+    ("MultiHeadAttention", "value", (2, 4, 4), r"^value: expected 5 rows"),
+    ("AttentionDecoder.precompute+step", "memory", (2, 5, 7), r"^memory: expected last dim 6"),
+]
+
+
+@pytest.mark.parametrize("ep,param,shape,match", MISMATCH,
+                         ids=[f"{a}-{b}-{i}" for i, (a, b, _, _) in enumerate(MISMATCH)])
+def test_row02_mismatched_sizes(ep, param, shape, match):
+    e = EPS[ep]
+    inputs = e.make(DIMS)
+    inputs[param] = _r(*shape)
+    saved = _snapshot(inputs)
+    with pytest.raises(ValueError, match=match):
+        e.call(**inputs)
+    _assert_unchanged(inputs, saved)
+
+
+def test_row02_mismatched_sizes_state_and_lengths():
+    x = _r(2, 3, 4)
+    with pytest.raises(ValueError, match=r"^h0: expected shape \(4, 2, 6\)"):
+        _LAYERS["GRU"](x, _r(4, 3, 6))
+    with pytest.raises(TypeError, match=r"^state: expected a tuple \(h0, c0\) for LSTM"):
+        _LAYERS["LSTM"](x, _r(1, 2, 6))
+    for fn in (lambda n: _LAYERS["GRU"](x, lengths=n), lambda n: F.rnn_scan(_r(2, 3, 12), _r(12, 4), None, _r(2, 4), lengths=n)):
+        with pytest.raises(ValueError, match=r"^lengths: expected (lengths|values) in \[0, 3\]"):
+            fn([1, 4])
+        with pytest.raises(ValueError, match=r"^lengths: expected shape \(2,\)"):
+            fn([1, 2, 3])
+        with pytest.raises(TypeError, match=r"^lengths: expected integers, got dtype float64"):
+            fn([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^num_heads: expected a divisor of embed_dim=4, got 3"):
+        L.MultiHeadAttention(4, 3)
+    with pytest.raises(ValueError, match=r"^query: expected an embedding size E divisible by num_heads=3"):
+        fastattn.multi_head_attention(*_mha_qkv(DIMS).values(), **{**_MHA_W, "num_heads": 3})
+
+
+# ======================================================================
+# Row 3: masks that do not broadcast / have a wrong dtype
+
+MASK_EPS = {
+    "sdpa": lambda m, kw: fastattn.scaled_dot_product_attention(**_qkv(DIMS), **{kw: m}),
+    "explain": lambda m, kw: fastattn.explain(**_qkv(DIMS), **{kw: m}),
+    **{f"attention[{n}]": (lambda m, kw, s=s: fastattn.attention(**_qkv(DIMS), similarity=s,
+                                                                  params=_params(s, 4), **{kw: m}))
+       for n, s in SIMS.items()},
+    "PreparedAttention": lambda m, kw: F.PreparedAttention(_r(2, 5, 4), _r(2, 5, 6), **{kw: m})(_r(2, 3, 4)),
+    "multi_head_attention": lambda m, kw: fastattn.multi_head_attention(**_mha_qkv(DIMS), **_MHA_W, **{kw: m}),
+    "Attention": lambda m, kw: _LAYERS["Attention"](**_qkv_layer(DIMS), **{kw: m}),
+    "MultiHeadAttention": lambda m, kw: _LAYERS["MultiHeadAttention"](**_mha_qkv(DIMS), **{kw: m}),
+}
+KEY_MASK_EPS = ["multi_head_attention", "Attention", "MultiHeadAttention"]
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (3, 6), (7,), (3, 3, 5), (2, 4, 3, 5)])
+@pytest.mark.parametrize("ep", list(MASK_EPS))
+def test_row03_attn_mask_not_broadcastable(ep, shape):
+    with pytest.raises(ValueError, match=r"^(attn_mask: expected|leading \(batch\) dimensions do not broadcast.*attn_mask)"):
+        MASK_EPS[ep](np.ones(shape, bool), "attn_mask")
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint8, np.complex128, object, np.longdouble])
+@pytest.mark.parametrize("ep", list(MASK_EPS))
+def test_row03_attn_mask_dtype(ep, dtype):
+    with pytest.raises(TypeError, match=r"^attn_mask: expected a bool mask \(True = may attend\) or a float mask"):
+        MASK_EPS[ep](np.ones((3, 5), dtype), "attn_mask")
+
+
+@pytest.mark.parametrize("ep", KEY_MASK_EPS)
+def test_row03_key_mask(ep):
+    with pytest.raises(ValueError, match=r"^key_mask: expected shape \(2, 5\)"):
+        MASK_EPS[ep](np.ones((2, 4), bool), "key_mask")
+    with pytest.raises(TypeError, match=r"^key_mask: expected a bool(ean)? array"):
+        MASK_EPS[ep](np.ones((2, 5), np.int64), "key_mask")
+
+
+def test_row03_padding_masks_of_the_seq2seq_layers():
+    with pytest.raises(ValueError, match=r"^memory_mask: expected shape \(2, 5\)"):
+        _DECODER.precompute(_r(2, 5, 6), np.ones((2, 4), bool))
+    with pytest.raises(TypeError, match=r"^memory_mask: expected a boolean array"):
+        _DECODER.precompute(_r(2, 5, 6), np.ones((2, 5), np.int64))
+    enc = L.RNNEncoder(10, 3, 4, seed=0)
+    with pytest.raises(ValueError, match=r"^src_mask: expected shape \(B, 3\)"):
+        enc(np.ones((2, 3), np.int64), src_mask=np.ones((2, 4), bool))
+    with pytest.raises(ValueError, match=r"^src_mask: padding must come after the real tokens"):
+        enc(np.ones((2, 3), np.int64), src_mask=np.array([[0, 1, 1], [1, 1, 1]], bool))
+
+
+# ======================================================================
+# Rows 4-6: dtypes
+
+def _cast(a, dtype):
+    if np.dtype(dtype) == np.bool_:
+        return a > 0
+    if np.dtype(dtype).kind in "iu":
+        return np.round(np.abs(a) * 2).astype(dtype)
+    return a.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.int64, np.uint16])
+@pytest.mark.parametrize("ep", ARRAY_EPS)
+def test_row04_bool_and_integer_inputs_computed_in_float64(ep, dtype):
+    e = EPS[ep]
+    inputs = {k: _cast(v, dtype) for k, v in e.make(DIMS).items()}
+    saved = _snapshot(inputs)
+    got = e.result(inputs)
+    assert got.dtype == np.float64
+    want = e.result({k: v.astype(np.float64) for k, v in inputs.items()})
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    _assert_unchanged(inputs, saved)
+
+
+def test_row04_mha_layer_follows_numpy_promotion():
+    """MultiHeadAttention (float32 parameters) promotes by NumPy's rule: bool or
+    int8 inputs give float32, int32/int64 inputs float64."""
+    m = L.MultiHeadAttention(4, 2, seed=0)
+    x = _r(2, 3, 4)
+    assert m(x > 0).dtype == np.float32
+    assert m(_cast(x, np.int8)).dtype == np.float32
+    assert m(_cast(x, np.int64)).dtype == np.float64
+
+
+@pytest.mark.parametrize("ep", ARRAY_EPS)
+def test_row05_float16(ep):
+    e = EPS[ep]
+    inputs = {k: v.astype(np.float16) for k, v in e.make(DIMS).items()}
+    got = e.result(inputs)
+    assert got.dtype == e.f16
+    want = e.result({k: v.astype(np.float32) for k, v in inputs.items()})
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=3e-3, atol=3e-3)
+    if ep in ("sdpa",):
+        assert fastattn.explain(**inputs).dtype == "float32"
+
+
+def test_row05_float16_everywhere_in_multi_head_attention():
+    """float16 inputs *and* weights: float16 result (computed in float32)."""
+    x = _r(2, 3, 4).astype(np.float16)
+    w16 = {k: (v.astype(np.float16) if isinstance(v, np.ndarray) else v) for k, v in _MHA_W.items()}
+    got = fastattn.multi_head_attention(x, x, x, **w16)
+    assert got.dtype == np.float16
+    w32 = {k: (v.astype(np.float32) if isinstance(v, np.ndarray) else v) for k, v in w16.items()}
+    want = fastattn.multi_head_attention(*(x.astype(np.float32),) * 3, **w32)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=3e-3, atol=3e-3)
+
+
+BAD_DTYPES = [np.complex64, np.complex128, object, "U2", "datetime64[s]", np.longdouble]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("ep,param", _params_of(EPS), ids=lambda x: str(x))
+def test_row06_complex_object_string_longdouble_raise(ep, param, dtype):
+    e = EPS[ep]
+    inputs = e.make(DIMS)
+    inputs[param] = np.zeros(inputs[param].shape, dtype)
+    with pytest.raises(TypeError, match=rf"^{param}: (complex dtypes are not supported|expected a real|"
+                                        r"expected real numbers|float128 is not supported)"):
+        e.call(**inputs)
+
+
+def test_row06_token_ids_must_be_integers():
+    enc = L.RNNEncoder(10, 3, 4, seed=0)
+    s2s = L.Seq2Seq(enc, L.AttentionDecoder(10, 3, 4, 4, seed=0), bos_id=1, eos_id=2)
+    for bad in (np.ones((2, 3)), np.ones((2, 3), bool), np.ones((2, 3), complex)):
+        with pytest.raises(TypeError, match=r"^ids: expected an integer array of token ids"):
+            L.Embedding(10, 3)(bad)
+        with pytest.raises(TypeError, match=r"^src: expected an integer array of token ids"):
+            enc(bad)
+        with pytest.raises(TypeError, match=r"^src: expected an integer array of token ids"):
+            s2s.greedy_decode(bad, max_len=2)
+        with pytest.raises(TypeError, match=r"^tgt_in: expected an integer array of token ids"):
+            s2s(np.ones((2, 3), np.int64), bad)
+    with pytest.raises(ValueError, match=r"^ids: expected token ids in \[0, 10\), got values in \[-1, 10\]"):
+        L.Embedding(10, 3)(np.array([-1, 10]))
+
+
+# ======================================================================
+# Row 7: zero-size dimensions
+
+ZERO_CASES = [(n, dim) for n in ARRAY_EPS for dim in EPS[n].zero.split()]
+
+
+@pytest.mark.parametrize("ep,dim", ZERO_CASES, ids=[f"{a}-{b}0" for a, b in ZERO_CASES])
+def test_row07_zero_size_gives_the_defined_result(ep, dim):
+    e = EPS[ep]
+    D = dict(DIMS, **{dim: 0})
+    inputs = e.make(D)
+    got = e.result(inputs)
+    assert got.shape == e.out_shape(D)
+    assert np.isfinite(got).all()
+    if dim == "Lk" and ep.startswith(("sdpa", "attention", "PreparedAttention")):
+        np.testing.assert_array_equal(got, 0)  # no key to attend to: zeros
+
+
+def test_row07_zero_size_explain_and_weights():
+    q, k, v = _r(2, 0, 4), _r(2, 5, 4), _r(2, 5, 6)
+    assert fastattn.explain(q, k, v).path == "empty"
+    for sim in SIMS.values():
+        o, w = fastattn.attention(_r(2, 3, 4), _r(2, 0, 4), _r(2, 0, 6), sim, params=_params(sim, 4),
+                                  return_weights=True)
+        assert o.shape == (2, 3, 6) and w.shape == (2, 3, 0)
+        o, w = fastattn.attention(_r(2, 3, 0), _r(2, 5, 0), _r(2, 5, 6), sim, params=_params(sim, 0),
+                                  return_weights=True)
+        np.testing.assert_allclose(w, np.full((2, 3, 5), 0.2))  # all scores equal: uniform
+
+
+def test_row07_zero_size_documented_values():
+    x = _r(2, 3, 4)
+    o = fastattn.multi_head_attention(x, _r(2, 0, 4), _r(2, 0, 4), **_MHA_W)
+    np.testing.assert_allclose(o, np.broadcast_to(_MHA_W["b_out"], (2, 3, 4)))  # no key: the bias
+    with pytest.raises(ValueError, match=r"^query: expected an embedding size E >= 1, got E=0"):
+        fastattn.multi_head_attention(_r(2, 3, 0), _r(2, 3, 0), _r(2, 3, 0), num_heads=1,
+                                      w_qkv=np.zeros((0, 0)), w_out=np.zeros((1, 0)))
+    b = _r(6)
+    np.testing.assert_allclose(F.linear(_r(5, 0), _r(6, 0), b), np.broadcast_to(b, (5, 6)))
+    h0 = _r(2, 4)
+    out, h, _ = F.rnn_scan(_r(2, 0, 12), _r(12, 4), None, h0)
+    assert out.shape == (2, 0, 4)
+    np.testing.assert_array_equal(h, h0)
+    enc = L.RNNEncoder(10, 3, 4, seed=0)
+    s2s = L.Seq2Seq(enc, L.AttentionDecoder(10, 3, 4, 4, seed=0), bos_id=1, eos_id=2)
+    tokens, lengths, scores, align = s2s.greedy_decode(np.ones((2, 3), np.int64), lengths=[0, 3], max_len=4)
+    assert tokens.shape == (2, 4) and np.isfinite(scores).all()
+    np.testing.assert_array_equal(align[0], 0)  # an all-padding source: no attention at all
+
+
+# ======================================================================
+# Rows 8-9: memory layouts (non-contiguous last axis, negative strides,
+# zero strides, read-only): the result of a C-contiguous copy, input untouched
+
+def _layout(a, kind):
+    if kind == "fortran":
+        return np.asfortranarray(a)
+    if kind == "last_axis_stride2":
+        return np.repeat(a, 2, axis=-1)[..., ::2]
+    if kind == "negative_last_axis":
+        return np.ascontiguousarray(a[..., ::-1])[..., ::-1]
+    if kind == "negative_rows":
+        return np.ascontiguousarray(a[..., ::-1, :])[..., ::-1, :] if a.ndim >= 2 else a[::-1][::-1]
+    if kind == "negative_batch":
+        return np.ascontiguousarray(a[::-1])[::-1]
+    if kind == "zero_stride_batch":
+        return np.broadcast_to(a[:1], a.shape)
+    if kind == "unaligned":
+        from support import make_layout
+        return make_layout(a, "unaligned")
+    if kind == "read_only":
+        b = a.copy()
+        b.flags.writeable = False
+        return b
+    raise ValueError(kind)
+
+
+LAYOUTS = ["fortran", "last_axis_stride2", "negative_last_axis", "negative_rows", "negative_batch",
+           "zero_stride_batch", "read_only", "unaligned"]
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("ep", ARRAY_EPS)
+def test_row08_09_layouts(ep, kind):
+    e = EPS[ep]
+    base = e.make(DIMS)
+    # one odd layout per call, every parameter in turn (a few calls per test)
+    for param in base:
+        inputs = dict(base)
+        inputs[param] = _layout(base[param], kind)
+        saved = _snapshot(inputs)
+        got = e.result(inputs)
+        want = e.result({k: np.array(v, order="C") for k, v in inputs.items()})
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{param} {kind}")
+        _assert_unchanged(inputs, saved)
+
+
+# ======================================================================
+# Rows 10-11: out= that overlaps itself, or aliases an input
+
+def _out_call(ep, q, k, v, **kw):
+    if ep == "sdpa":
+        return fastattn.scaled_dot_product_attention(q, k, v, **kw)
+    s = SIMS[ep[len("attention["):-1]]
+    return fastattn.attention(q, k, v, s, params=_params(s, q.shape[-1]), **kw)
+
+
+@pytest.mark.parametrize("ep", OUT_EPS)
+def test_row10_out_overlapping_itself(ep):
+    q, k, v = _r(2, 3, 4), _r(2, 5, 4), _r(2, 5, 6)
+    buf = np.zeros(2 * 3 * 6)
+    overlapping = np.lib.stride_tricks.as_strided(buf, (2, 3, 6), (8 * 6, 8, 8))  # rows share 5 elements
+    with pytest.raises(ValueError, match=r"^out: its strides \(48, 8, 8\) make elements overlap"):
+        _out_call(ep, q, k, v, out=overlapping)
+    np.testing.assert_array_equal(buf, 0)
+    with pytest.raises(ValueError, match=r"^out: the array is read-only"):
+        _out_call(ep, q, k, v, out=np.broadcast_to(np.zeros((1, 3, 6)), (2, 3, 6)))
+    with pytest.raises(TypeError, match=r"^out: expected dtype float64, got float32"):
+        _out_call(ep, q, k, v, out=np.zeros((2, 3, 6), np.float32))
+    with pytest.raises(ValueError, match=r"^out: expected shape \(2, 3, 6\), got \(2, 3, 5\)"):
+        _out_call(ep, q, k, v, out=np.zeros((2, 3, 5)))
+
+
+@pytest.mark.parametrize("target", ["query", "key", "value", "query_shifted_view", "float_mask"])
+@pytest.mark.parametrize("ep", OUT_EPS)
+def test_row11_out_aliasing_an_input(ep, target):
+    q, k, v = _r(2, 5, 4), _r(2, 5, 4), _r(2, 5, 4)
+    mask = _r(5, 5)[None].repeat(2, 0) if target == "float_mask" else None
+    if target == "query_shifted_view":
+        buf = _r(2, 5, 5)
+        q, out = buf[..., :4], buf[..., 1:]
+    else:
+        out = {"query": q, "key": k, "value": v, "float_mask": mask}[target]
+        if target == "float_mask":
+            k, v = _r(2, 5, 4), _r(2, 5, 5)
+            out = mask
+    want = _out_call(ep, q.copy(), k.copy(), v.copy(), **({} if mask is None else {"attn_mask": mask.copy()}))
+    got = _out_call(ep, q, k, v, out=out, **({} if mask is None else {"attn_mask": mask}))
+    assert got is out
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ======================================================================
+# Row 12: NaN / inf in the inputs
+
+NAN_ROW_EPS = ["sdpa", "linear", "Linear", "Attention", "MultiHeadAttention"] + [
+    f"attention[{n}]" for n in ("dot", "general", "additive", "cosine")] + [
+    "PreparedAttention[dot]", "PreparedAttention[additive]"]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy's, on inf / inf
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("ep", NAN_ROW_EPS)
+def test_row12_nonfinite_query_row_stays_in_its_row(ep, bad):
+    """A NaN / inf in one query row: that row of the result may be NaN, no other row is."""
+    e = EPS[ep]
+    inputs = e.make(DIMS)
+    first = next(iter(inputs))
+    if ep == "MultiHeadAttention":  # cross-attention: keys and values stay finite
+        inputs["key"], inputs["value"] = _r(2, 5, 4), _r(2, 5, 4)
+    inputs[first][0, 1, 0] = bad
+    saved = _snapshot(inputs)
+    got = e.result(inputs)
+    other = np.ones(got.shape[:2], bool)
+    other[0, 1] = False
+    assert np.isfinite(got[other]).all()
+    if bad is np.nan:
+        assert np.isnan(got[0, 1]).any()
+    _assert_unchanged(inputs, saved)
+
+
+@pytest.mark.parametrize("ep", ["sdpa", "attention[dot]", "attention[additive]", "multi_head_attention",
+                                "PreparedAttention[additive]"])
+def test_row12_nan_key_poisons_only_its_batch_item(ep):
+    e = EPS[ep]
+    inputs = e.make(DIMS)
+    inputs["key"][0, 2, 0] = np.nan
+    got = e.result(inputs)
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+def test_row12_nan_in_a_sequence():
+    """Recurrences: a NaN at step t reaches every later step of its row only."""
+    for ep in ("rnn_scan", "LSTM.forward", "SimpleRNN.forward"):  # (GRU is bidirectional)
+        e = EPS[ep]
+        inputs = e.make(DIMS)
+        first = next(iter(inputs))
+        inputs[first][0, 1, 0] = np.nan
+        got = e.result(inputs)
+        assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1]).all()
+        assert np.isnan(got[0, 2]).any()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "compiled"])
+def test_row12_nonfinite_inputs_to_a_plugin(kind):
+    q, k, v = _r(2, 3, 4), _r(2, 5, 4), _r(2, 5, 6)
+    q[0, 1, 0] = np.nan
+    out = np.full((2, 3, 6), 7.0)
+    with pytest.raises(ValueError, match=r"score returned NaN or \+inf values.*; query contains NaN or "
+                                         r"infinite values"):
+        fastattn.attention(q, k, v, SIMS[kind], out=out)
+    np.testing.assert_array_equal(out, 7.0)
+
+
+def test_row12_nonfinite_parameters_raise():
+    q, k, v = _r(2, 3, 4), _r(2, 5, 4), _r(2, 5, 6)
+    for sim, params in (("general", {"W": np.full((4, 4), np.nan)}), ("scaled_dot", {"scale": np.inf}),
+                        ("additive", dict(_params("additive", 4), v=np.full(3, np.nan)))):
+        with pytest.raises(ValueError, match=r"^params\['(W|scale|v)'\]: contains NaN or infinite values"):
+            fastattn.attention(q, k, v, sim, params=params)
+    with pytest.raises(ValueError, match=r"^scale: expected a finite real number, got nan"):
+        fastattn.scaled_dot_product_attention(q, k, v, scale=math.nan)
+    for name, layer in _LAYERS.items():
+        sd = layer.state_dict()
+        key = next(iter(sd))
+        sd[key] = np.full(sd[key].shape, np.inf)
+        with pytest.raises(ValueError, match=rf"^state_dict\['{key}'\]: contains NaN or infinite values"):
+            layer.load_state_dict(sd)
+
+
+def test_row12_nonfinite_weights_of_the_functional_ops_propagate():
+    """Weights passed to the functional ops are inputs like any other: not scanned."""
+    x = _r(2, 3, 4)
+    w = _r(6, 4)
+    w[2, 0] = np.nan
+    y = F.linear(x, w)
+    assert np.isnan(y[..., 2]).all() and np.isfinite(np.delete(y, 2, axis=-1)).all()
+    o = fastattn.multi_head_attention(x, x, x, **{**_MHA_W, "b_out": np.full(4, np.inf)})
+    assert np.isinf(o).all()
+
+
+# ======================================================================
+# Rows 13-14: a similarity that fails, and a compiled plugin's error code
+
+class _Bad(fastattn.Similarity):
+    def __init__(self, mode):
+        self.mode = mode
+        self.name = f"bad_{mode}"
+
+    def score(self, query, key, params):
+        s = query @ np.swapaxes(key, -1, -2)
+        m = self.mode
+        if m == "raises":
+            raise ZeroDivisionError("oops")
+        if m == "writes_input":
+            query[...] = 0
+        return {"wrong_shape": lambda: s[..., :-1], "int": lambda: s.astype(np.int64),
+                "bool": lambda: s > 0, "complex": lambda: s.astype(complex),
+                "object": lambda: s.astype(object), "none": lambda: None, "scalar": lambda: 1.0,
+                "nan": lambda: np.where(s > 0, np.nan, s), "posinf": lambda: np.where(s > 0, np.inf, s),
+                "too_big_for_float32": lambda: s.astype(np.float64) * 1e300}[m]()
+
+
+SIM_FAILURES = [
+    ("raises", SimilarityError, r"score raised ZeroDivisionError: oops"),
+    ("writes_input", SimilarityError, r"score raised ValueError: .*read-only"),
+    ("wrong_shape", ValueError, r"score returned shape \(2, 3, 4\), expected \(\.\.\., tq, tk\) = \(2, 3, 5\)"),
+    ("none", ValueError, r"score returned shape \(\), expected"),
+    ("scalar", ValueError, r"score returned shape \(\), expected"),
+    ("int", TypeError, r"score returned dtype int64, expected a real floating dtype"),
+    ("bool", TypeError, r"score returned dtype bool, expected a real floating dtype"),
+    ("complex", TypeError, r"score returned dtype complex128, expected a real floating dtype"),
+    ("object", TypeError, r"score returned dtype object, expected a real floating dtype"),
+    ("nan", ValueError, r"score returned NaN or \+inf values \(only -inf, 'may not attend', is allowed\)$"),
+    ("posinf", ValueError, r"score returned NaN or \+inf values"),
+    ("too_big_for_float32", ValueError, r"score returned values out of float32 range"),
+]
+SIM_EPS = {
+    "attention": lambda s, out: fastattn.attention(*_f32_qkv(), s, out=out),
+    "attention+weights": lambda s, out: fastattn.attention(*_f32_qkv(), s, out=out, return_weights=True),
+    "PreparedAttention": lambda s, out: F.PreparedAttention(*_f32_qkv()[1:], s)(_f32_qkv()[0]),
+    "Attention layer": lambda s, out: L.Attention(4, 4, 6, similarity=s, seed=0)(*_f32_qkv()),
+    "AttentionDecoder": lambda s, out: _decoder_with(s),
+}
+
+
+def _f32_qkv():
+    rng = np.random.default_rng(5)
+    return (rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((2, 5, 4)).astype(np.float32),
+            rng.standard_normal((2, 5, 6)).astype(np.float32))
+
+
+def _decoder_with(sim):
+    dec = L.AttentionDecoder(10, 3, 4, 4, similarity=sim, style="luong", seed=0)
+    mem = dec.precompute(_f32_qkv()[1])
+    return dec.step(np.ones(2, np.int64), dec.initial_state(2), mem)
+
+
+@pytest.mark.parametrize("mode,exc,match", SIM_FAILURES, ids=[m for m, _, _ in SIM_FAILURES])
+@pytest.mark.parametrize("ep", list(SIM_EPS))
+def test_row13_similarity_that_fails(ep, mode, exc, match):
+    if ep == "AttentionDecoder" and mode == "wrong_shape":
+        match = r"score returned shape \(2, 1, 4\), expected \(\.\.\., tq, tk\) = \(2, 1, 5\)"
+    out = np.full((2, 3, 6), 7.0, np.float32)
+    q, k, v = _f32_qkv()
+    with pytest.raises(exc, match=rf"^similarity 'bad_{mode}': {match}"):
+        SIM_EPS[ep](_Bad(mode), out)
+    np.testing.assert_array_equal(out, 7.0)  # out= is untouched on error
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode,exc,match", [
+    (1.0, SimilarityError, r"the compiled score function returned error code 7"),
+    (2.0, ValueError, r"score returned NaN or \+inf values"),
+    (3.0, ValueError, r"score returned NaN or \+inf values"),
+], ids=["error_code", "writes_nan", "writes_posinf"])
+@pytest.mark.parametrize("ep", ["attention", "attention+weights", "PreparedAttention", "Attention layer"])
+def test_row14_compiled_plugin_error(ep, mode, exc, match, dtype):
+    sim = SIMS["compiled"]
+    q, k, v = (a.astype(dtype) for a in _f32_qkv())
+    P = {"mode": mode}
+    out = np.full((2, 3, 6), 7.0, dtype)
+    calls = {
+        "attention": lambda: fastattn.attention(q, k, v, sim, params=P, out=out),
+        "attention+weights": lambda: fastattn.attention(q, k, v, sim, params=P, out=out, return_weights=True),
+        "PreparedAttention": lambda: F.PreparedAttention(k, v, sim, params=P)(q),
+        "Attention layer": lambda: _compiled_layer(dtype, mode)(q, k, v),
+    }
+    with pytest.raises(exc, match=rf"^similarity 'fastattn_selftest_neg_sq_dist': {match}"):
+        calls[ep]()
+    np.testing.assert_array_equal(out, 7.0)
+    # the next call with good parameters works (no state left behind)
+    good = fastattn.attention(q, k, v, sim, params={"mode": 0.0})
+    assert np.isfinite(good).all()
+
+
+def _compiled_layer(dtype, mode):
+    layer = L.Attention(4, 4, 6, similarity=SIMS["compiled"], seed=0, dtype=dtype)
+    sd = layer.state_dict()
+    sd["sim.mode"] = np.asarray(mode, dtype)
+    return layer.load_state_dict(sd)
+
+
+def test_row13_neg_inf_scores_mask_and_lists_are_converted():
+    class NegInfFirstKey(fastattn.Similarity):
+        name = "neg_inf_first_key"
+
+        def score(self, query, key, params):
+            s = query @ np.swapaxes(key, -1, -2)
+            s[..., 0] = -np.inf
+            return s.tolist()
+
+    q, k, v = _r(2, 3, 4), _r(2, 5, 4), _r(2, 5, 6)
+    o, w = fastattn.attention(q, k, v, NegInfFirstKey(), return_weights=True)
+    np.testing.assert_array_equal(w[..., 0], 0)
+    mask = np.ones((3, 5), bool)
+    mask[:, 0] = False
+    np.testing.assert_allclose(o, fastattn.attention(q, k, v, "dot", attn_mask=mask), rtol=1e-12, atol=1e-12)
+
+
+def test_row13_invalid_similarity_objects():
+    q, k, v = _f32_qkv()
+    for bad, exc, match in [
+        ("nope", KeyError, r"similarity: unknown name 'nope'; available: additive"),
+        (None, TypeError, r"similarity: expected a registered name \(str\) or a fastattn.similarity.Similarity instance, got NoneType"),
+        (_Bad, TypeError, r"similarity: expected .* got class _Bad \(a Similarity subclass: pass an instance"),
+        (lambda a, b: a, TypeError, r"similarity: expected .* got function"),
+        (fastattn.Similarity(), TypeError, r"similarity: Similarity does not implement score"),
+    ]:
+        with pytest.raises(exc, match=match):
+            fastattn.attention(q, k, v, bad)
+
+    class NoCapsule(fastattn.CompiledSimilarity):
+        name = "no_capsule"
+        capsule = "not a capsule"
+
+    with pytest.raises(TypeError, match=r"similarity 'no_capsule': capsule must be a PyCapsule named 'fastattn.score_plugin.v1'"):
+        fastattn.attention(q, k, v, NoCapsule())
+
+
+# ======================================================================
+# Row 15: bad state dicts (load_state_dict, from_torch)
+
+_SD_LAYERS = dict(_LAYERS, Embedding=L.Embedding(10, 4, seed=0), RNNEncoder=L.RNNEncoder(10, 3, 4, seed=0),
+                  AttentionDecoder=_DECODER)
+
+
+@pytest.mark.parametrize("case", ["wrong_shape", "missing", "unexpected", "complex", "bool", "object",
+                                  "ragged", "nan", "not_a_mapping"])
+@pytest.mark.parametrize("name", list(_SD_LAYERS))
+def test_row15_bad_state_dict(name, case):
+    layer = _SD_LAYERS[name]
+    before = layer.state_dict()
+    sd = layer.state_dict()
+    key = next(iter(sd))
+    good = sd[key]
+    exc, match = ValueError, rf"^state_dict\['{key}'\]: "
+    if case == "wrong_shape":
+        sd[key] = np.zeros(good.shape + (1,))
+        match += r"expected shape"
+    elif case == "missing":
+        del sd[key]
+        match = rf"^state_dict: .*missing.*{key}"
+    elif case == "unexpected":
+        sd["bogus.weight"] = np.zeros(1)
+        match = r"^state_dict: .*unexpected.*bogus.weight"
+    elif case in ("complex", "bool", "object"):
+        sd[key] = good.astype({"complex": complex, "bool": bool, "object": object}[case])
+        exc, match = TypeError, match + r"expected (real numbers|a real floating-point array)"
+    elif case == "ragged":
+        sd[key] = [[1.0], [1.0, 2.0]]
+        exc, match = TypeError, match + r"expected an array"
+    elif case == "nan":
+        sd[key] = np.full(good.shape, np.nan)
+        match += r"contains NaN or infinite values"
+    else:
+        sd, exc, match = list(sd.items()), TypeError, r"^state_dict: expected a mapping"
+    saved = {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in dict(sd).items()} \
+        if isinstance(sd, dict) else None
+    with pytest.raises(exc, match=match):
+        layer.load_state_dict(sd)
+    after = layer.state_dict()  # nothing changed on error
+    assert after.keys() == before.keys()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    if saved is not None:
+        for k, v in saved.items():
+            if isinstance(v, np.ndarray):
+                np.testing.assert_array_equal(sd[k], v)
+
+
+@pytest.mark.parametrize("name", list(_SD_LAYERS))
+def test_row15_loaded_arrays_are_copies(name):
+    layer = _SD_LAYERS[name]
+    sd = {k: v + 0.5 for k, v in layer.state_dict().items()}
+    saved = _snapshot(sd)
+    layer.load_state_dict(sd)
+    _assert_unchanged(sd, saved)
+    for k, v in sd.items():
+        v += 1.0  # the layer holds copies
+    for k, v in layer.state_dict().items():
+        np.testing.assert_allclose(v, saved[k], rtol=1e-6)
+
+
+@pytest.mark.parametrize("cls,sd,exc,match", [
+    (L.Linear, {}, ValueError, r"^state_dict: expected 'weight' of shape \(out_features, in_features\)"),
+    (L.Linear, {"weight": np.zeros(3)}, ValueError, r"^state_dict: expected 'weight' of shape"),
+    (L.Embedding, {"weight": np.zeros((2, 2, 2))}, ValueError, r"^state_dict: expected 'weight' of shape"),
+    (L.GRU, {"weight_ih_l0": np.zeros((6, 2))}, ValueError, r"^state_dict: expected 'weight_ih_l0' and 'weight_hh_l0'"),
+    (L.LSTM, {"weight_ih_l0": np.zeros(8), "weight_hh_l0": np.zeros((8, 2))}, ValueError,
+     r"^state_dict\['weight_ih_l0'\]: expected a 2-d"),
+    (L.SimpleRNN, {"weight_ih_l0": np.zeros((3, 2)), "weight_hh_l0": np.zeros((3, 3)),
+                   "bias_ih_l0": np.zeros(3, complex), "bias_hh_l0": np.zeros(3)}, TypeError,
+     r"^state_dict\['bias_ih_l0'\]: expected real numbers"),
+    (L.GRU, {"weight_ih_l0": np.zeros((7, 2)), "weight_hh_l0": np.zeros((7, 2))}, ValueError,
+     r"^state_dict\['weight_ih_l0'\]: expected 3 \* hidden_size rows"),
+    (L.MultiHeadAttention, {"in_proj_weight": np.zeros((12, 4)), "out_proj.weight": np.zeros((4, 4))},
+     TypeError, r"^num_heads: a state dict does not record the number of heads"),
+    (L.MultiHeadAttention, 3, TypeError, r"^module_or_state_dict: expected a torch.nn.MultiheadAttention"),
+    (L.GRU, None, TypeError, r"^module_or_state_dict: expected a torch module or a state dict, got NoneType"),
+    (L.Linear, {"weight": np.full((2, 2), np.nan)}, ValueError, r"^state_dict\['weight'\]: contains NaN"),
+])
+def test_row15_bad_from_torch(cls, sd, exc, match):
+    with pytest.raises(exc, match=match):
+        cls.from_torch(sd)

@@ -1,0 +1,211 @@
+"""Regression tests for the bugs the bad-input table (docs/bad_input.md) exposed.
+
+One test (or group) per fix; the table's rows themselves are in
+tests/api/test_bad_input.py.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import functional as F
+from fastattn import layers as L
+
+
+# -------------------------------------------------- RNN layers, B = 0 or T = 0
+
+@pytest.mark.parametrize("cls", [L.SimpleRNN, L.GRU, L.LSTM])
+@pytest.mark.parametrize("shape", [(0, 3, 8), (2, 0, 8)], ids=["B0", "T0"])
+def test_rnn_layer_empty_batch_or_sequence(cls, shape):
+    """x.reshape(B * T, -1) cannot infer -1 from 0 elements: the layers raised
+    NumPy's 'cannot reshape array of size 0' instead of returning empty outputs."""
+    layer = cls(8, 4, num_layers=2, bidirectional=True, seed=0)
+    x = np.zeros(shape, np.float32)
+    out, state = layer(x)
+    h = state[0] if isinstance(state, tuple) else state
+    assert out.shape == shape[:2] + (8,) and out.dtype == np.float32
+    assert h.shape == (4, shape[0], 4)
+    np.testing.assert_array_equal(h, 0)  # T = 0: the initial (zero) state
+
+
+def test_encoder_and_seq2seq_empty_source():
+    enc = L.RNNEncoder(10, 4, 6, seed=0)
+    out, final, mask = enc(np.zeros((2, 0), np.int64))
+    assert out.shape == (2, 0, 6) and final.shape == (1, 2, 6) and mask.shape == (2, 0)
+    out, final, mask = enc(np.zeros((0, 3), np.int64))
+    assert out.shape == (0, 3, 6) and mask.shape == (0, 3)
+    s2s = L.Seq2Seq(enc, L.AttentionDecoder(10, 4, 6, 6, seed=0), bos_id=1, eos_id=2)
+    tokens, lengths, scores, align = s2s.greedy_decode(np.zeros((2, 0), np.int64), max_len=3)
+    assert tokens.shape == (2, 3) and align.shape == (2, 3, 0)
+
+
+# ------------------------------------- ragged lists name their parameter
+
+RAGGED = [[1.0], [1.0, 2.0]]
+
+
+@pytest.mark.parametrize("name,call", [
+    ("x", lambda: F.linear(RAGGED, np.ones((5, 2)))),
+    ("weight", lambda: F.linear(np.ones((3, 2)), RAGGED)),
+    ("bias", lambda: F.linear(np.ones((3, 2)), np.ones((2, 2)), RAGGED)),
+    ("xw", lambda: F.rnn_scan([RAGGED, RAGGED], np.ones((3, 1)), None, np.ones((2, 1)))),
+    ("lengths", lambda: F.rnn_scan(np.ones((2, 3, 3)), np.ones((3, 1)), None, np.ones((2, 1)),
+                                   lengths=RAGGED)),
+    ("x", lambda: F.rnn_cell(RAGGED, np.ones((2, 1)), np.ones((3, 1)), None, np.ones((3, 1)), None)),
+    (r"state_dict\['weight_ih_l0'\]", lambda: L.GRU.from_torch({"weight_ih_l0": RAGGED,
+                                                                "weight_hh_l0": np.zeros((3, 1))})),
+])
+def test_ragged_lists_name_the_parameter(name, call):
+    """linear / rnn_scan / rnn_cell / RNN.from_torch let NumPy's 'setting an array
+    element with a sequence' ValueError through, naming no parameter."""
+    with pytest.raises(TypeError, match=rf"^{name}: expected an array"):
+        call()
+
+
+@pytest.mark.parametrize("cls", [L.SimpleRNN, L.GRU, L.LSTM])
+def test_rnn_from_torch_non_2d_weight(cls):
+    """A 1-d weight_ih_l0 raised 'not enough values to unpack (expected 2, got 1)'."""
+    with pytest.raises(ValueError, match=r"state_dict\['weight_ih_l0'\]: expected a 2-d .* got shape \(12,\)"):
+        cls.from_torch({"weight_ih_l0": np.zeros(12), "weight_hh_l0": np.zeros((12, 1))})
+
+
+# --------------------------------------------------- non-finite scale
+
+def _mha_kw(E=8):
+    rng = np.random.default_rng(0)
+    return dict(num_heads=2, w_qkv=rng.standard_normal((3 * E, E)), w_out=rng.standard_normal((E, E)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -np.inf, np.float32("nan")])
+@pytest.mark.parametrize("fn", ["sdpa", "sdpa_masked", "explain", "multi_head_attention"])
+def test_non_finite_scale_raises(fn, bad):
+    """scale=nan/inf made every output NaN (sdpa, multi_head_attention) while
+    attention(similarity='scaled_dot', params={'scale': nan}) raised: now all raise."""
+    x = np.random.default_rng(1).standard_normal((2, 5, 8))
+    calls = {
+        "sdpa": lambda: fastattn.scaled_dot_product_attention(x, x, x, scale=bad),
+        "sdpa_masked": lambda: fastattn.scaled_dot_product_attention(x, x, x, np.ones((5, 5), bool), scale=bad),
+        "explain": lambda: fastattn.explain(x, x, x, scale=bad),
+        "multi_head_attention": lambda: fastattn.multi_head_attention(x, x, x, scale=bad, **_mha_kw()),
+    }
+    with pytest.raises(ValueError, match=r"^scale: expected a finite real number, got (nan|inf|-inf)"):
+        calls[fn]()
+    with pytest.raises(ValueError, match=r"params\['scale'\]: contains NaN or infinite values"):
+        fastattn.attention(x, x, x, "scaled_dot", params={"scale": bad})
+
+
+# ------------------------------- MultiHeadAttention state dicts with NaN / inf
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_mha_load_state_dict_refuses_non_finite(bad):
+    """Every other layer's load_state_dict refused NaN / inf weights; the
+    multi-head layer loaded them (and from_torch with it)."""
+    m = L.MultiHeadAttention(8, 2, seed=0)
+    before = m.state_dict()
+    sd = m.state_dict()
+    sd["out_proj.weight"][1, 2] = bad
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: contains NaN or infinite values"):
+        m.load_state_dict(sd)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\]: contains NaN or infinite values"):
+        L.MultiHeadAttention.from_torch(sd, num_heads=2)
+
+
+# ------------------------ Attention layers: a mask with more dims than the input
+
+@pytest.mark.parametrize("layer", ["Attention", "SelfAttention"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_attention_layer_mask_with_extra_dims(layer, batched):
+    """A (2, B, Lq, Lk) mask on (B, Lq, E) inputs was broadcast by F.attention
+    into an extra output dim: the layer returned (2, B, Lq, out_dim) instead of
+    the documented (B, Lq, out_dim)."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 8) if batched else (3, 8))
+    mod = L.Attention(8, seed=0) if layer == "Attention" else L.SelfAttention(8, seed=0)
+    m = np.ones((2,) + x.shape[:-1] + (3,), bool)
+    want = "(B, Lq, Lk) = (2, 3, 3)" if batched else "(Lq, Lk) = (3, 3)"
+    with pytest.raises(ValueError, match=rf"^attn_mask: expected at most {x.ndim} dims, .*"
+                                         + re.escape(f"{want}, got shape {m.shape}")):
+        mod(x, attn_mask=m)
+    assert mod(x, attn_mask=m[0]).shape == x.shape  # as many dims as the input: fine
+
+
+# ------------------------------------------ layers: bool inputs, rank message
+
+@pytest.mark.parametrize("call", [
+    lambda x: L.Linear(8, 5, seed=0)(x),
+    lambda x: L.GRU(8, 4, seed=0)(x)[0],
+    lambda x: L.LSTM(8, 4, seed=0).step(x[:, 0])[0],
+    lambda x: L.Attention(8, seed=0)(x),
+    lambda x: L.SelfAttention(8, seed=0)(x),
+], ids=["Linear", "GRU", "LSTM.step", "Attention", "SelfAttention"])
+def test_layers_accept_bool_inputs_like_ints(call):
+    """Layers refused bool inputs ('expected real numbers') while taking ints,
+    and while the functional ops and MultiHeadAttention take both: bool is
+    now computed like the integers, in float64."""
+    xb = np.random.default_rng(0).random((2, 3, 8)) < 0.5
+    got = call(xb)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, call(xb.astype(np.int64)))
+    np.testing.assert_array_equal(got, call(xb.astype(np.float64)))
+
+
+def test_layer_rank_message_is_short():
+    with pytest.raises(ValueError, match=r"^x: expected a 1-d to 32-d array, got 0-d array of shape \(\)$"):
+        L.Linear(8, 5)(np.float64(1.0))
+
+
+# ----------------------------------------- init_params with zero-size dims
+
+@pytest.mark.parametrize("name,dims", [("general", {}), ("additive", {"d_a": 0}), ("concat", {"d_a": 2})])
+def test_init_params_zero_size(name, dims):
+    """Glorot's limit sqrt(6 / fan) raised ZeroDivisionError for a (0, 0) matrix."""
+    p = fastattn.get_similarity(name).init_params(0, 0, rng=0, **dims)
+    q, k, v = np.zeros((2, 3, 0)), np.zeros((2, 4, 0)), np.ones((2, 4, 5))
+    o = fastattn.attention(q, k, v, name, params=p)
+    np.testing.assert_allclose(o, np.ones((2, 3, 5)))  # all scores equal: the mean of v
+
+
+# ------------- a plugin's NaN scores caused by NaN inputs: the message says so
+
+class _NumpyDot(fastattn.Similarity):
+    name = "bad_input_numpy_dot"
+
+    def score(self, query, key, params):
+        return query @ np.swapaxes(key, -1, -2)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "compiled"])
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_plugin_nan_scores_name_the_nonfinite_input(kind, where):
+    """A plugin turning a NaN input into NaN scores was told 'score returned NaN'
+    with nothing pointing at the input; the message now names it."""
+    import fastattn.testing
+
+    sim = _NumpyDot() if kind == "numpy" else fastattn.testing.selftest_similarity()
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5, 2))
+    (q if where == "query" else k)[1, 2, 0] = np.nan
+    with pytest.raises(ValueError, match=rf"score returned NaN or \+inf values .*; {where} contains NaN "
+                                         r"or infinite values"):
+        fastattn.attention(q, k, v, sim)
+    with pytest.raises(ValueError, match=rf"; {where} contains NaN"):
+        F.PreparedAttention(k, v, sim)(q)
+    # a plugin writing NaN into finite inputs' scores is still blamed alone
+    with pytest.raises(ValueError, match=r"score returned NaN or \+inf values \(only -inf, 'may not attend', is allowed\)$"):
+        fastattn.attention(np.nan_to_num(q), np.nan_to_num(k), v, fastattn.testing.selftest_similarity(),
+                           params={"mode": 2.0})
+
+
+def test_self_attention_errors_name_x():
+    """SelfAttention.forward(x) reported bad inputs as 'query' (its parent's name)."""
+    layer = L.SelfAttention(4, seed=0)
+    with pytest.raises(ValueError, match=r"^x: expected last dim 4, got shape \(2, 3, 5\)"):
+        layer(np.zeros((2, 3, 5)))
+    with pytest.raises(ValueError, match=r"^x: expected a 2-d or 3-d array"):
+        layer(np.zeros(4))
+    with pytest.raises(TypeError, match=r"^x: expected real numbers"):
+        layer(np.zeros((3, 4), complex))
