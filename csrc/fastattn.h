@@ -129,15 +129,19 @@ int fa_sdpa_f64(const fa_sdpa_args *a);
  * the batch dim is > 1) and none overlapping another array.
  * dmask: NULL, or (batch..., Lq, Lk) written with dS, the gradient of the
  * additive mask for every batch item.  delta: scratch of
- * (number of batch items) x Lq elements (D = rowsum(dO o O)).
+ * (number of batch items) x Lq doubles (D = rowsum(dO o O)).
+ * ngroups (1 to FA_BWD_MAX_GROUPS): the key blocks of each batch item are
+ * split into that many runs, one task each; dq_part: scratch of
+ * (ngroups - 1) x (number of batch items) x Lq x d elements (NULL for 1).
  *
- * Three pool runs: D per (item, query block); dK, dV per (item, key block),
- * over the query blocks that see the block; dQ per (item, query block), over
- * its key tiles.  Every output element is summed by one task in a fixed
- * order: the result does not depend on the thread count.  BLAS gemm tiles
- * (BLAS held at one thread).  Rows whose lse is -inf (no allowed key) get
- * exact zero gradients.
+ * Pool runs: D per (item, query block); then per (item, key group) every
+ * tile product (fa_sdpa_bwd_impl.h); then the dQ partials summed in group
+ * order.  Every output element is summed by one task in a fixed order: the
+ * result depends on the shapes, the tiles and ngroups, not on which thread
+ * ran what.  BLAS gemm tiles (BLAS held at one thread).  Rows whose lse is
+ * -inf (no allowed key) get exact zero gradients.
  */
+#define FA_BWD_MAX_GROUPS 64
 typedef struct {
     fa_sdpa_args f;
     const void *grad_out;
@@ -150,6 +154,8 @@ typedef struct {
     const int64_t *dm_bs;
     int64_t lddm;
     void *delta;
+    int64_t ngroups;
+    void *dq_part;
 } fa_sdpa_bwd_args;
 
 int fa_sdpa_bwd_f32(const fa_sdpa_bwd_args *a);

@@ -52,6 +52,9 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *dm_bs
         int64_t lddm
         void *delta
+        int64_t ngroups
+        void *dq_part
+    int FA_BWD_MAX_GROUPS
     int fa_sdpa_bwd_f32(const fa_sdpa_bwd_args *a)
     int fa_sdpa_bwd_f64(const fa_sdpa_bwd_args *a)
     void fa_exp_f32(const float *x, float *y, int64_t n)
@@ -79,6 +82,7 @@ MASK_ADD = FA_MASK_ADD
 PATH_SINGLE = FA_PATH_SINGLE
 PATH_STREAM = FA_PATH_STREAM
 MAX_BATCH_DIMS = FA_MAX_BATCH_DIMS
+BWD_MAX_GROUPS = FA_BWD_MAX_GROUPS
 
 fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
 
@@ -179,14 +183,17 @@ def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                   cnp.ndarray grad_out, cnp.ndarray lse, object mask, int mask_kind,
                   cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object dmask,
                   cnp.ndarray delta, tuple batch_shape, bint causal, int64_t causal_offset,
-                  double scale, int64_t block_q, int64_t block_k, int n_threads):
+                  double scale, int64_t block_q, int64_t block_k, int n_threads,
+                  int64_t ngroups=1, object dq_part=None):
     """Run the backward kernel (csrc/fastattn.h, fa_sdpa_bwd_args).  Returns the
     C status code.
 
     q, k, v, mask as for :func:`sdpa`; out and grad_out (..., Lq, dv); lse
     (..., Lq, 1) with a unit row stride; dq (..., Lq, d), dk (..., Lk, d), dv
     (..., Lk, dv) and dmask (..., Lq, Lk) or None: full-batch outputs, each of
-    its own memory; delta: contiguous, (number of batch items) x Lq elements.
+    its own memory; delta: contiguous float64, (number of batch items) x Lq;
+    ngroups key groups per batch item (1 to BWD_MAX_GROUPS), dq_part: contiguous
+    scratch of (ngroups - 1) x items x Lq x d elements, or None for 1.
     One float dtype; d, dv >= 1; last axes contiguous, BLAS-valid row strides.
     """
     cdef fa_sdpa_bwd_args a
@@ -230,6 +237,8 @@ def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
         a.dmask = cnp.PyArray_DATA(dm)
         a.lddm = row_ld(dm, a.f.Lk)
     a.delta = cnp.PyArray_DATA(delta)
+    a.ngroups = ngroups
+    a.dq_part = NULL if dq_part is None else cnp.PyArray_DATA(<cnp.ndarray>dq_part)
     a.f.stop = interrupt_arm(&intr, _main_ident)
     a.f.stop_ctx = &intr if a.f.stop != NULL else NULL
     with nogil:

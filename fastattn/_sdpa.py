@@ -498,6 +498,21 @@ BWD_BLOCK_Q = 128
 BWD_BLOCK_K = 128
 
 
+# The backward splits each batch item's key blocks into groups, one task each,
+# so that few batch items still keep every thread busy: at least
+# BWD_MIN_TASKS (batch item, group) tasks.  A function of the shapes only --
+# never of the thread count -- so the gradients are the same bits for any
+# n_threads.  Each group past the first costs a (Lq, d) dQ partial per item.
+BWD_MIN_TASKS = 8
+
+
+def _bwd_groups(nbatch, nkb):
+    """Key groups per batch item for the backward (see BWD_MIN_TASKS)."""
+    if nbatch >= BWD_MIN_TASKS:
+        return 1
+    return max(1, min(nkb, -(-BWD_MIN_TASKS // max(nbatch, 1)), _kernels.BWD_MAX_GROUPS))
+
+
 def _grad_dtype(x, cdt):
     """A gradient's dtype: its input's when that is a float dtype, else the compute dtype."""
     dt = getattr(x, "dtype", None)
@@ -567,12 +582,14 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
         nt = p.n_threads
         if 10.0 * math.prod(p.batch) * p.Lq * p.Lk * (max(p.d, 1) + p.dv) < PARALLEL_MIN_FLOPS:
             nt = 1
-        delta = np.empty(nrows, cdt)
+        bq, bk = max(1, min(BWD_BLOCK_Q, p.Lq)), max(1, min(BWD_BLOCK_K, p.Lk))
+        ng = _bwd_groups(math.prod(p.batch), -(-p.Lk // bk))
+        delta = np.empty(nrows, np.float64)
+        part = np.empty((ng - 1) * nrows * dq_k.shape[-1], cdt) if ng > 1 else None
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa_backward(
             q, k, p.v, o, g, ls[..., None], p.mask, p.mask_kind, dq_k, dk_k, dv, dmask, delta,
-            p.batch, p.causal, p.causal_offset, p.scale, max(1, min(BWD_BLOCK_Q, p.Lq)),
-            max(1, min(BWD_BLOCK_K, p.Lk)), nt)
+            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part)
         if rc:
             _raise_status(rc)
     grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),
