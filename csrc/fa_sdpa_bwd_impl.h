@@ -197,6 +197,9 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
     REAL *kr = vp + FA_PACK_ROUND(bk) * f->dv;
     double *accK = (double *)((char *)S + j->acc_off);
     const int64_t b = t / j->ngroups, g = t % j->ngroups;
+    /* the forward's products: our packed ones (f->direct) or BLAS, so that S
+     * has the bits the forward's lse was computed from */
+    const int own = f->direct;
     const REAL scale = (REAL)f->scale;
     const REAL *Q = (const REAL *)f->q + FN(batch_off)(f, f->q_bs, b);
     const REAL *K = (const REAL *)f->k + FN(batch_off)(f, f->k_bs, b);
@@ -218,11 +221,14 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
         REAL *dVj = (REAL *)a->dv + FN(batch_off)(f, a->dv_bs, b) + j0 * a->lddv;
         double *accV = accK + n * f->d;
         memset(accK, 0, (size_t)(n * (f->d + f->dv)) * sizeof(double));
-        FN(ops_pack_kt)(j->ops, n, f->d, scale, Kj, f->ldk, kp);
-        FN(ops_pack_kt)(j->ops, n, f->dv, (REAL)1, Vj, f->ldv, vp);
-        for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
-            int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
-            FN(ops_pack_v)(j->ops, nc, f->d, Kj + c0 * f->ldk, f->ldk, kr + c0 * FA_PACK_ROUND(f->d));
+        if (own) {
+            FN(ops_pack_kt)(j->ops, n, f->d, scale, Kj, f->ldk, kp);
+            FN(ops_pack_kt)(j->ops, n, f->dv, (REAL)1, Vj, f->ldv, vp);
+            for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
+                int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
+                FN(ops_pack_v)(j->ops, nc, f->d, Kj + c0 * f->ldk, f->ldk,
+                               kr + c0 * FA_PACK_ROUND(f->d));
+            }
         }
         /* the first query row that may see key j0: i + offset >= j0 */
         int64_t ifirst = 0;
@@ -242,12 +248,18 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
                 continue;
             const REAL *Qi = Q + i0 * f->ldq;
             const REAL *Gi = G + i0 * a->ldg;
-            FN(ops_gemm_pb)(j->ops, m, n, f->d, Qi, f->ldq, kp, S, n, 0, NULL, 0);
+            if (own)
+                FN(ops_gemm_pb)(j->ops, m, n, f->d, Qi, f->ldq, kp, S, n, 0, NULL, 0);
+            else
+                FN(rm_gemm)('N', 'T', m, n, f->d, scale, Qi, f->ldq, Kj, f->ldk, (REAL)0, S, n);
             FN(bwd_probs)(f, j->ops, mb, bb, Lse + i0, S, i0, m, j0, n);
             /* dV_j += P^T dO_i */
             FN(bwd_gemm_acc)(1, n, f->dv, m, (REAL)1, S, n, Gi, a->ldg, T, accV);
             /* dP = dO_i V_j^T, then dS in its place */
-            FN(ops_gemm_pb)(j->ops, m, n, f->dv, Gi, a->ldg, vp, dP, n, 0, NULL, 0);
+            if (own)
+                FN(ops_gemm_pb)(j->ops, m, n, f->dv, Gi, a->ldg, vp, dP, n, 0, NULL, 0);
+            else
+                FN(rm_gemm)('N', 'T', m, n, f->dv, (REAL)1, Gi, a->ldg, Vj, f->ldv, (REAL)0, dP, n);
             FN(bwd_dscores)(S, dP, D + i0, Lse + i0, m, n);
             if (dM)
                 for (int64_t r = 0; r < m; r++)
@@ -255,11 +267,16 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
             /* dK_j += scale dS^T Q_i */
             FN(bwd_gemm_acc)(1, n, f->d, m, scale, dP, n, Qi, f->ldq, T, accK);
             /* dQ_i += scale dS K_j, in products of at most FA_BWD_SUM_ROWS keys */
-            FN(scale_row)(dP, m * n, scale);   /* dS * scale, for dQ (dK took it in alpha) */
+            if (own)
+                FN(scale_row)(dP, m * n, scale);   /* dS * scale for dQ (BLAS: in alpha) */
             for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
                 int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
-                FN(ops_gemm_pb)(j->ops, m, f->d, nc, dP + c0, n, kr + c0 * FA_PACK_ROUND(f->d),
-                                dQ + i0 * lddq, lddq, 1, NULL, 0);
+                if (own)
+                    FN(ops_gemm_pb)(j->ops, m, f->d, nc, dP + c0, n,
+                                    kr + c0 * FA_PACK_ROUND(f->d), dQ + i0 * lddq, lddq, 1, NULL, 0);
+                else
+                    FN(rm_gemm)('N', 'N', m, f->d, nc, scale, dP + c0, n, Kj + c0 * f->ldk,
+                                f->ldk, (REAL)1, dQ + i0 * lddq, lddq);
             }
         }
         FN(bwd_store)(dKj, a->lddk, accK, n, f->d);

@@ -122,7 +122,9 @@ int fa_sdpa_f64(const fa_sdpa_args *a);
  *
  * f: the forward's arguments -- q, k, v, mask, causal, scale as in the
  * forward; out = O (read only); lse (batch..., Lq) as the forward wrote it;
- * weights NULL; block_q / block_k the tiles; n_threads; stop.
+ * weights NULL; block_q / block_k the tiles; direct: 1 for the packed
+ * products of the forward's streaming path, 0 for BLAS (as the forward ran);
+ * n_threads; stop.
  * dq (batch..., Lq, d), dk (batch..., Lk, d), dv (batch..., Lk, dv): one
  * gradient per batch item of the broadcast batch (the caller sums broadcast
  * dims), contiguous rows, none of them broadcast (batch strides nonzero where

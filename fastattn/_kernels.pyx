@@ -184,7 +184,7 @@ def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                   cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object dmask,
                   cnp.ndarray delta, tuple batch_shape, bint causal, int64_t causal_offset,
                   double scale, int64_t block_q, int64_t block_k, int n_threads,
-                  int64_t ngroups=1, object dq_part=None):
+                  int64_t ngroups=1, object dq_part=None, bint direct=False):
     """Run the backward kernel (csrc/fastattn.h, fa_sdpa_bwd_args).  Returns the
     C status code.
 
@@ -193,7 +193,8 @@ def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     (..., Lk, dv) and dmask (..., Lq, Lk) or None: full-batch outputs, each of
     its own memory; delta: contiguous float64, (number of batch items) x Lq;
     ngroups key groups per batch item (1 to BWD_MAX_GROUPS), dq_part: contiguous
-    scratch of (ngroups - 1) x items x Lq x d elements, or None for 1.
+    scratch of (ngroups - 1) x items x Lq x d elements, or None for 1; direct:
+    the packed products (the forward's streaming path with SIMD) instead of BLAS.
     One float dtype; d, dv >= 1; last axes contiguous, BLAS-valid row strides.
     """
     cdef fa_sdpa_bwd_args a
@@ -210,7 +211,7 @@ def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     a.f.block_q = block_q
     a.f.block_k = block_k
     a.f.path = FA_PATH_STREAM
-    a.f.direct = 0
+    a.f.direct = direct
     a.f.n_threads = n_threads
     batch_strides(grad_out, nb, lb.shape, bb.gbs)
     batch_strides(dq, nb, lb.shape, bb.dqbs)

@@ -589,7 +589,8 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa_backward(
             q, k, p.v, o, g, ls[..., None], p.mask, p.mask_kind, dq_k, dk_k, dv, dmask, delta,
-            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part)
+            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part,
+            STREAM_OWN_PRODUCTS and _kernels.simd_active())
         if rc:
             _raise_status(rc)
     grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),
