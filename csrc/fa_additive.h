@@ -41,6 +41,8 @@ typedef struct {
     int64_t causal_offset;
     void *out;
     void *weights;
+    void *lse;                      /* NULL, or (batch..., Lq) as in fa_sdpa_args */
+    const int64_t *l_bs;
     int64_t block_q, block_k;
     int n_threads;
     fastattn_score_f32 score_f32;   /* the one matching the entry point is used */

@@ -95,6 +95,7 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
     else if (a->mask_kind == FA_MASK_ADD)
         bb = (const REAL *)a->mask + FN(boff)(a, a->m_bs, b);
     REAL *W = a->weights ? (REAL *)a->weights + FN(boff)(a, a->w_bs, b) + i0 * a->ldw : NULL;
+    REAL *Lse = a->lse ? (REAL *)a->lse + FN(boff)(a, a->l_bs, b) + i0 : NULL;
     const int64_t dv = a->dv, bk = a->block_k;
     int64_t kend = a->Lk;
     if (a->causal) {
@@ -125,8 +126,10 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
         for (int64_t r = 0; r < m; r++) {
             REAL *w = W + r * a->ldw;
             REAL mx = FN(ops_rowmax)(ops, w, kend);
-            REAL l = kend ? FN(ops_expsub)(ops, w, kend, mx == (REAL)(-INFINITY) ? (REAL)0 : mx)
-                          : (REAL)0;
+            REAL mref = mx == (REAL)(-INFINITY) ? (REAL)0 : mx;
+            REAL l = kend ? FN(ops_expsub)(ops, w, kend, mref) : (REAL)0;
+            if (Lse)
+                Lse[r] = (REAL)fa_row_lse((double)mref, (double)l);
             REAL f = l == (REAL)0 ? (REAL)0 : (REAL)1 / l;
             for (int64_t c = 0; c < kend; c++)
                 w[c] *= f;
@@ -176,6 +179,8 @@ static int FN(task)(FN(tjob) *j, int64_t b, int64_t i0, int64_t m, REAL *scratch
     for (int64_t r = 0; r < m; r++) {
         REAL *o = O + r * a->ldo;
         REAL l = Ls[r];
+        if (Lse)
+            Lse[r] = (REAL)fa_row_lse(Mx[r] == (REAL)(-INFINITY) ? 0.0 : (double)Mx[r], (double)l);
         if (l == (REAL)0)
             memset(o, 0, (size_t)dv * sizeof(REAL));
         else {

@@ -5,7 +5,17 @@
 #ifndef FA_ROWOPS_H
 #define FA_ROWOPS_H
 
+#include <math.h>
 #include <stdint.h>
+
+/* Natural-log log-sum-exp of a softmax row from its reference max m (the
+ * value subtracted before the exponentials; 0 for a row whose max is -inf)
+ * and its sum l = sum_j exp(s_j - m): m + log(l), -inf when l == 0 (no
+ * allowed key).  In double, then rounded once. */
+static inline double fa_row_lse(double m, double l)
+{
+    return l == 0.0 ? -INFINITY : m + log(l);
+}
 
 /* small_qk works on up to this many query rows as dot products (no K^T
  * scratch); above it, against K^T transposed into the caller's scratch. */

@@ -103,6 +103,7 @@ static inline double expo_f64(double x) { return exp(x); }
 #define SFX f32
 #define GEMM g_sgemm
 #include "fa_sdpa_impl.h"
+#include "fa_sdpa_bwd_impl.h"
 #undef REAL
 #undef SFX
 #undef GEMM
@@ -111,6 +112,7 @@ static inline double expo_f64(double x) { return exp(x); }
 #define SFX f64
 #define GEMM g_dgemm
 #include "fa_sdpa_impl.h"
+#include "fa_sdpa_bwd_impl.h"
 #undef REAL
 #undef SFX
 #undef GEMM

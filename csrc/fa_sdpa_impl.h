@@ -122,6 +122,7 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
     else if (a->mask_kind == FA_MASK_ADD)
         bb = (const REAL *)a->mask + FN(batch_off)(a, a->m_bs, b);
     REAL *W = a->weights ? (REAL *)a->weights + FN(batch_off)(a, a->w_bs, b) + i0 * a->ldw : NULL;
+    REAL *Lse = a->lse ? (REAL *)a->lse + FN(batch_off)(a, a->l_bs, b) + i0 : NULL;
     const REAL scale = (REAL)a->scale;
     const int64_t dv = a->dv;
     const int64_t kend = FN(key_end)(a, i0, m);
@@ -131,6 +132,8 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             memset(O + r * a->ldo, 0, (size_t)dv * sizeof(REAL));
             if (W)
                 memset(W + r * a->ldw, 0, (size_t)a->Lk * sizeof(REAL));
+            if (Lse)
+                Lse[r] = (REAL)(-INFINITY);
         }
         return;
     }
@@ -154,6 +157,8 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
             REAL l = (mb || bb || a->causal) ? FN(ops_expsub_masked)(ops, s, kend, mref)
                                               : FN(ops_expsub)(ops, s, kend, mref);
             lsum[r] = l;
+            if (Lse)
+                Lse[r] = (REAL)fa_row_lse((double)mref, (double)l);
             if (W) {
                 FN(scale_row)(s, kend, l == (REAL)0 ? (REAL)0 : (REAL)1 / l);
                 if (kend < a->Lk)
@@ -249,12 +254,19 @@ static void FN(task)(const fa_sdpa_args *a, const fa_rowops *ops, int64_t b, int
         started = 1;
     }
     if (!started) {
-        for (int64_t r = 0; r < m; r++)
+        for (int64_t r = 0; r < m; r++) {
             memset(O + r * a->ldo, 0, (size_t)dv * sizeof(REAL));
+            if (Lse)
+                Lse[r] = (REAL)(-INFINITY);
+        }
         return;
     }
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = 0; r < m; r++) {
         FN(finish_row)(O + r * a->ldo, dv, Ls[r], 1);
+        if (Lse)
+            Lse[r] = (REAL)fa_row_lse(Mx[r] == (REAL)(-INFINITY) ? 0.0 : (double)Mx[r],
+                                      (double)Ls[r]);
+    }
 }
 
 /* 1 when every size and leading dimension the BLAS calls of this call can see

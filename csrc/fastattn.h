@@ -93,6 +93,11 @@ typedef struct {
     double scale;
     void *out;
     void *weights;             /* NULL unless weights are wanted */
+    /* NULL, or (batch..., Lq) with batch strides l_bs and contiguous rows: the
+     * natural-log log-sum-exp of each row's scaled, masked scores over its
+     * allowed keys; -inf for a row with none */
+    void *lse;
+    const int64_t *l_bs;
     /* plan */
     int64_t block_q;           /* query rows per task */
     int64_t block_k;           /* key rows per tile (streaming path) */
@@ -109,6 +114,54 @@ typedef struct {
 
 int fa_sdpa_f32(const fa_sdpa_args *a);
 int fa_sdpa_f64(const fa_sdpa_args *a);
+
+/*
+ * Backward of fa_sdpa (FlashAttention-2): the gradients of q, k, v (and of an
+ * additive mask) from dO = dL/d(out), the forward's output O and its row
+ * log-sum-exp, recomputing the scores tile by tile (no Lq x Lk matrix).
+ *
+ * f: the forward's arguments -- q, k, v, mask, causal, scale as in the
+ * forward; out = O (read only); lse (batch..., Lq) as the forward wrote it;
+ * weights NULL; block_q / block_k the tiles; direct: 1 for the packed
+ * products of the forward's streaming path, 0 for BLAS (as the forward ran);
+ * n_threads; stop.
+ * dq (batch..., Lq, d), dk (batch..., Lk, d), dv (batch..., Lk, dv): one
+ * gradient per batch item of the broadcast batch (the caller sums broadcast
+ * dims), contiguous rows, none of them broadcast (batch strides nonzero where
+ * the batch dim is > 1) and none overlapping another array.
+ * dmask: NULL, or (batch..., Lq, Lk) written with dS, the gradient of the
+ * additive mask for every batch item.  delta: scratch of
+ * (number of batch items) x Lq doubles (D = rowsum(dO o O)).
+ * ngroups (1 to FA_BWD_MAX_GROUPS): the key blocks of each batch item are
+ * split into that many runs, one task each; dq_part: scratch of
+ * (ngroups - 1) x (number of batch items) x Lq x d elements (NULL for 1).
+ *
+ * Pool runs: D per (item, query block); then per (item, key group) every
+ * tile product (fa_sdpa_bwd_impl.h); then the dQ partials summed in group
+ * order.  Every output element is summed by one task in a fixed order: the
+ * result depends on the shapes, the tiles and ngroups, not on which thread
+ * ran what.  BLAS gemm tiles (BLAS held at one thread).  Rows whose lse is
+ * -inf (no allowed key) get exact zero gradients.
+ */
+#define FA_BWD_MAX_GROUPS 64
+typedef struct {
+    fa_sdpa_args f;
+    const void *grad_out;
+    const int64_t *g_bs;
+    int64_t ldg;
+    void *dq, *dk, *dv;
+    const int64_t *dq_bs, *dk_bs, *dv_bs;
+    int64_t lddq, lddk, lddv;
+    void *dmask;
+    const int64_t *dm_bs;
+    int64_t lddm;
+    void *delta;
+    int64_t ngroups;
+    void *dq_part;
+} fa_sdpa_bwd_args;
+
+int fa_sdpa_bwd_f32(const fa_sdpa_bwd_args *a);
+int fa_sdpa_bwd_f64(const fa_sdpa_bwd_args *a);
 
 /* Worker threads alive in fastattn's pool. */
 int fa_pool_workers(void);

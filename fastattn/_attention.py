@@ -82,7 +82,7 @@ class _Call:
 
 
 def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return_weights,
-             causal_alignment, out, n_threads, lower=True):
+             causal_alignment, out, n_threads, lower=True, return_lse=False):
     sim = get_similarity(similarity)
     q, k, v = _validation.check_qkv(query, key, value)
     d_q, d_k = q.shape[-1], k.shape[-1]
@@ -100,7 +100,7 @@ def _prepare(query, key, value, similarity, params, attn_mask, is_causal, return
     # SDPA's own checks and canonicalisation (mask, causal, batch broadcast,
     # out, threads, dtypes) on stand-ins for q and k with one feature each
     p = _sdpa._prepare(_dummy(q), _dummy(k), v, attn_mask, is_causal, None,
-                             return_weights, causal_alignment, out, n_threads)
+                       return_weights, causal_alignment, out, n_threads, return_lse)
     c = _Call()
     c.sim = sim
     c.p = p
@@ -225,7 +225,7 @@ class PreparedAttention:
 
 def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
               is_causal=False, return_weights=False, causal_alignment="top_left",
-              out=None, n_threads=None):
+              out=None, n_threads=None, return_lse=False):
     """Attention ``softmax(score(Q, K) + mask) V`` with any registered similarity.
 
     Parameters
@@ -246,15 +246,18 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
     params : dict, optional
         The similarity's parameters (shapes in its ``params_spec``; see
         ``docs/similarities.md``), cast to the compute dtype.
-    attn_mask, is_causal, return_weights, causal_alignment, out, n_threads
-        Exactly as in :func:`fastattn.scaled_dot_product_attention`.
+    attn_mask, is_causal, return_weights, causal_alignment, out, n_threads, return_lse
+        Exactly as in :func:`fastattn.scaled_dot_product_attention` (``lse``:
+        the log-sum-exp of this similarity's masked scores over the allowed keys).
 
     Returns
     -------
-    ndarray (..., Lq, dv), or ``(output, weights)`` with weights (..., Lq, Lk).
+    ndarray (..., Lq, dv); with ``return_weights`` and/or ``return_lse``, a tuple
+    ``(output[, weights][, lse])``: weights (..., Lq, Lk), lse (..., Lq).
     """
     return _execute(_prepare(query, key, value, similarity, params, attn_mask, is_causal,
-                             return_weights, causal_alignment, out, n_threads))
+                             return_weights, causal_alignment, out, n_threads,
+                             return_lse=return_lse))
 
 
 def _execute(c):
@@ -270,12 +273,13 @@ def _execute(c):
     if res is None:
         res = np.empty(out_shape, dtype=p.cdt)
     weights = np.empty(p.batch + (p.Lq, p.Lk), dtype=p.cdt) if p.want_weights else None
-    if res.size or (weights is not None and weights.size):
+    lse = np.empty(p.batch + (p.Lq,), dtype=p.cdt) if p.want_lse else None
+    if res.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         if path == "fused":
-            _run_fused(c, res, weights)
+            _run_fused(c, res, weights, lse)
         else:
-            _run_tiled(c, res, weights)
-    return _finish(p, res, weights)
+            _run_tiled(c, res, weights, lse)
+    return _finish(p, res, weights, lse)
 
 
 def _direct_out(c):
@@ -310,12 +314,12 @@ def _run_sdpa(c):
     r = _sdpa.scaled_dot_product_attention(
         q2, k2, p.v, c.attn_mask, p.causal, scale, return_weights=p.want_weights,
         causal_alignment=c.causal_alignment, out=p.out if direct else None,
-        n_threads=p.n_threads)
+        n_threads=p.n_threads, return_lse=p.want_lse)
     if direct:
         return r
-    if p.want_weights:
-        return _finish(p, r[0], r[1])
-    return _finish(p, r, None)
+    if not (p.want_weights or p.want_lse):
+        return _finish(p, r, None)
+    return _finish(p, r[0], r[1] if p.want_weights else None, r[-1] if p.want_lse else None)
 
 
 # ------------------------------------------------------------- NumPy tiled
@@ -431,7 +435,7 @@ def _batch_chunks(batch, per_item):
             yield idx + (slice(c0, min(n, c0 + step)),)
 
 
-def _run_tiled(c, res, weights):
+def _run_tiled(c, res, weights, lse=None):
     """The NumPy streaming softmax, through the batch in chunks so that a
     score tile holds at most ~PY_BLOCK_Q x PY_BLOCK_K scores (one batch item's
     tile when Lq, Lk are large): memory O(tile), not O(batch x tile)."""
@@ -445,10 +449,19 @@ def _run_tiled(c, res, weights):
     for ix in _batch_chunks(batch, per_item):
         r = res[ix]
         _run_tiled_chunk(c, Q[ix], K[ix], V[ix], None if M is None else M[ix], r,
-                         None if weights is None else weights[ix], r.shape[:-2])
+                         None if weights is None else weights[ix],
+                         None if lse is None else lse[ix], r.shape[:-2])
 
 
-def _run_tiled_chunk(c, Q, K, V, M, res, weights, batch):
+def _row_lse(m, l):
+    """log-sum-exp of softmax rows from their reference max ``m`` (-inf for a row
+    with no allowed key) and sum ``l`` of exp(s - m): -inf where ``l == 0``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(l > 0, np.where(m == -np.inf, 0, m) + np.log(np.where(l > 0, l, 1)),
+                        -np.inf).astype(m.dtype, copy=False)
+
+
+def _run_tiled_chunk(c, Q, K, V, M, res, weights, lse, batch):
     p = c.p
     cdt = p.cdt
     Lq, Lk = p.Lq, p.Lk
@@ -473,6 +486,8 @@ def _run_tiled_chunk(c, Q, K, V, M, res, weights, batch):
                 l = W.sum(axis=-1, keepdims=True)
                 W /= np.where(l > 0, l, 1)
             W[np.broadcast_to(full, W.shape)] = 0
+            if lse is not None:
+                lse[..., i0:i1] = _row_lse(mx[..., 0], l[..., 0])
             np.matmul(W, V, out=res[..., i0:i1, :])
             continue
         m = np.full(batch + (i1 - i0,), neg_inf, dtype=cdt)
@@ -498,6 +513,8 @@ def _run_tiled_chunk(c, Q, K, V, M, res, weights, batch):
         with np.errstate(invalid="ignore", divide="ignore"):
             acc /= np.where(l > 0, l, 1)[..., None]
         acc[l == 0] = 0
+        if lse is not None:
+            lse[..., i0:i1] = _row_lse(m, l)
 
 
 # ------------------------------------------------------------- fused C path
@@ -597,7 +614,7 @@ def _plugin_functions(sim):
     return f32, f64
 
 
-def _run_fused(c, res, weights):
+def _run_fused(c, res, weights, lse=None):
     p = c.p
     cdt = p.cdt
     nt = p.n_threads
@@ -642,15 +659,16 @@ def _run_fused(c, res, weights):
     if c.kcache is not None and kind == _scores.SCORE_ADDITIVE and res_k is res:
         # a PreparedAttention's signature: everything but the queries is fixed
         c.kcache[:] = (wq, b, kx, packed, bq, nt)
-    _launch_additive(c, qx, kx, v, res_k, weights, bq, nt, kind, fn, packed)
+    _launch_additive(c, qx, kx, v, res_k, weights, bq, nt, kind, fn, packed, lse)
 
 
-def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed):
+def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed, lse=None):
     p = c.p
     _scores.sync_simd(_kernels.simd_active())
     rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res, weights, p.batch,
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
-                                      packed, kind == _scores.SCORE_PLUGIN)
+                                      packed, kind == _scores.SCORE_PLUGIN,
+                                      None if lse is None else lse[..., None])
     if rc:
         _raise_kernel(rc, prc, c.sim, c)
 

@@ -31,6 +31,8 @@ cdef extern from "fastattn.h" nogil:
         double scale
         void *out
         void *weights
+        void *lse
+        const int64_t *l_bs
         int64_t block_q
         int64_t block_k
         int path
@@ -60,6 +62,8 @@ cdef extern from "fa_additive.h" nogil:
         int64_t causal_offset
         void *out
         void *weights
+        void *lse
+        const int64_t *l_bs
         int64_t block_q, block_k
         int n_threads
         fastattn_score_f32 score_f32
@@ -74,7 +78,7 @@ ctypedef fused attn_args:
     fa_sdpa_args
     fa_tiled_args
 
-# per call: batch shape, then the batch strides of q, k, v, out, mask, weights
+# per call: batch shape, then the batch strides of q, k, v, out, mask, weights, lse
 ctypedef struct layout_bufs:
     int64_t shape[32]
     int64_t qbs[32]
@@ -83,18 +87,20 @@ ctypedef struct layout_bufs:
     int64_t obs[32]
     int64_t mbs[32]
     int64_t wbs[32]
+    int64_t lbs[32]
 
 
 cdef inline void fill_layout(attn_args *a, layout_bufs *b, cnp.ndarray q, cnp.ndarray k,
                              cnp.ndarray v, object mask, int mask_kind, int mask_none,
-                             cnp.ndarray out, object weights, tuple batch_shape):
+                             cnp.ndarray out, object weights, object lse, tuple batch_shape):
     """q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv), out (..., Lq, dv), mask
-    (..., Lq|1, Lk) unless mask_kind == mask_none, weights (..., Lq, Lk) or None;
+    (..., Lq|1, Lk) unless mask_kind == mask_none, weights (..., Lq, Lk) or None,
+    lse (..., Lq, 1) with unit row stride (the Lq axis contiguous) or None;
     leading dims broadcasting to batch_shape (at most 32 dims).  The pointers in
     *a point into *b, which must outlive the kernel call."""
     cdef int nb = len(batch_shape)
     cdef int i
-    cdef cnp.ndarray m_arr, w_arr
+    cdef cnp.ndarray m_arr, w_arr, l_arr
     for i in range(nb):
         b.shape[i] = batch_shape[i]
     a.nbatch = nb
@@ -137,3 +143,9 @@ cdef inline void fill_layout(attn_args *a, layout_bufs *b, cnp.ndarray q, cnp.nd
         batch_strides(w_arr, nb, b.shape, b.wbs)
         a.weights = cnp.PyArray_DATA(w_arr)
         a.ldw = row_ld(w_arr, a.Lk)
+    a.lse = NULL
+    a.l_bs = b.lbs
+    if lse is not None:
+        l_arr = <cnp.ndarray>lse
+        batch_strides(l_arr, nb, b.shape, b.lbs)
+        a.lse = cnp.PyArray_DATA(l_arr)

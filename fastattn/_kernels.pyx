@@ -17,6 +17,7 @@ from libc.math cimport sqrt
 from libc.stdint cimport int64_t, uintptr_t
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
+from fastattn._buffers cimport batch_strides, row_ld
 from fastattn._cargs cimport fa_sdpa_args, fill_layout, layout_bufs
 from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
@@ -35,6 +36,27 @@ cdef extern from "fastattn.h" nogil:
     void fa_set_blas(fa_sgemm_fn, fa_dgemm_fn, fa_blas_set_threads_fn)
     int fa_sdpa_f32(const fa_sdpa_args *a)
     int fa_sdpa_f64(const fa_sdpa_args *a)
+    ctypedef struct fa_sdpa_bwd_args:
+        fa_sdpa_args f
+        const void *grad_out
+        const int64_t *g_bs
+        int64_t ldg
+        void *dq
+        void *dk
+        void *dv
+        const int64_t *dq_bs
+        const int64_t *dk_bs
+        const int64_t *dv_bs
+        int64_t lddq, lddk, lddv
+        void *dmask
+        const int64_t *dm_bs
+        int64_t lddm
+        void *delta
+        int64_t ngroups
+        void *dq_part
+    int FA_BWD_MAX_GROUPS
+    int fa_sdpa_bwd_f32(const fa_sdpa_bwd_args *a)
+    int fa_sdpa_bwd_f64(const fa_sdpa_bwd_args *a)
     void fa_exp_f32(const float *x, float *y, int64_t n)
     void fa_exp_f64(const double *x, double *y, int64_t n)
     float fa_expsub_sum_f32(float *x, int64_t n, float m)
@@ -60,6 +82,7 @@ MASK_ADD = FA_MASK_ADD
 PATH_SINGLE = FA_PATH_SINGLE
 PATH_STREAM = FA_PATH_STREAM
 MAX_BATCH_DIMS = FA_MAX_BATCH_DIMS
+BWD_MAX_GROUPS = FA_BWD_MAX_GROUPS
 
 fa_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
 
@@ -122,18 +145,20 @@ def set_simd_disabled(bint disable):
 def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
          cnp.ndarray out, object weights, tuple batch_shape, bint causal,
          int64_t causal_offset, double scale, int64_t block_q, int64_t block_k,
-         int path, bint direct, int n_threads):
+         int path, bint direct, int n_threads, object lse=None):
     """Run the kernel.  Returns the C status code (0 = OK).
 
     q, k, v, out (and mask, weights when given) share one float dtype, have
     contiguous last axes and BLAS-valid row strides; their leading dims
     broadcast to batch_shape.  A mask row stride of 0 means one key mask for
-    all queries (its query dim has size 1).
+    all queries (its query dim has size 1).  lse, when given: (..., Lq, 1) of
+    the same dtype with a unit row stride, written with each row's
+    log-sum-exp (-inf for a row with no allowed key).
     """
     cdef fa_sdpa_args a
     cdef layout_bufs lb
     cdef int rc
-    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, batch_shape)
+    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, lse, batch_shape)
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
@@ -143,6 +168,86 @@ def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind
     a.direct = direct
     a.n_threads = n_threads
     rc = _run_sdpa(&a, cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32)
+    return rc
+
+
+ctypedef struct _bwd_bufs:
+    int64_t gbs[32]
+    int64_t dqbs[32]
+    int64_t dkbs[32]
+    int64_t dvbs[32]
+    int64_t dmbs[32]
+
+
+def sdpa_backward(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                  cnp.ndarray grad_out, cnp.ndarray lse, object mask, int mask_kind,
+                  cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, object dmask,
+                  cnp.ndarray delta, tuple batch_shape, bint causal, int64_t causal_offset,
+                  double scale, int64_t block_q, int64_t block_k, int n_threads,
+                  int64_t ngroups=1, object dq_part=None, bint direct=False):
+    """Run the backward kernel (csrc/fastattn.h, fa_sdpa_bwd_args).  Returns the
+    C status code.
+
+    q, k, v, mask as for :func:`sdpa`; out and grad_out (..., Lq, dv); lse
+    (..., Lq, 1) with a unit row stride; dq (..., Lq, d), dk (..., Lk, d), dv
+    (..., Lk, dv) and dmask (..., Lq, Lk) or None: full-batch outputs, each of
+    its own memory; delta: contiguous float64, (number of batch items) x Lq;
+    ngroups key groups per batch item (1 to BWD_MAX_GROUPS), dq_part: contiguous
+    scratch of (ngroups - 1) x items x Lq x d elements, or None for 1; direct:
+    the packed products (the forward's streaming path with SIMD) instead of BLAS.
+    One float dtype; d, dv >= 1; last axes contiguous, BLAS-valid row strides.
+    """
+    cdef fa_sdpa_bwd_args a
+    cdef layout_bufs lb
+    cdef _bwd_bufs bb
+    cdef int rc
+    cdef interrupt_state intr
+    cdef int nb = len(batch_shape)
+    cdef cnp.ndarray dm
+    fill_layout(&a.f, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, None, lse, batch_shape)
+    a.f.causal = causal
+    a.f.causal_offset = causal_offset
+    a.f.scale = scale
+    a.f.block_q = block_q
+    a.f.block_k = block_k
+    a.f.path = FA_PATH_STREAM
+    a.f.direct = direct
+    a.f.n_threads = n_threads
+    batch_strides(grad_out, nb, lb.shape, bb.gbs)
+    batch_strides(dq, nb, lb.shape, bb.dqbs)
+    batch_strides(dk, nb, lb.shape, bb.dkbs)
+    batch_strides(dv, nb, lb.shape, bb.dvbs)
+    a.grad_out = cnp.PyArray_DATA(grad_out)
+    a.g_bs = bb.gbs
+    a.ldg = row_ld(grad_out, a.f.dv)
+    a.dq = cnp.PyArray_DATA(dq)
+    a.dk = cnp.PyArray_DATA(dk)
+    a.dv = cnp.PyArray_DATA(dv)
+    a.dq_bs = bb.dqbs
+    a.dk_bs = bb.dkbs
+    a.dv_bs = bb.dvbs
+    a.lddq = row_ld(dq, a.f.d)
+    a.lddk = row_ld(dk, a.f.d)
+    a.lddv = row_ld(dv, a.f.dv)
+    a.dmask = NULL
+    a.dm_bs = bb.dmbs
+    a.lddm = 0
+    if dmask is not None:
+        dm = <cnp.ndarray>dmask
+        batch_strides(dm, nb, lb.shape, bb.dmbs)
+        a.dmask = cnp.PyArray_DATA(dm)
+        a.lddm = row_ld(dm, a.f.Lk)
+    a.delta = cnp.PyArray_DATA(delta)
+    a.ngroups = ngroups
+    a.dq_part = NULL if dq_part is None else cnp.PyArray_DATA(<cnp.ndarray>dq_part)
+    a.f.stop = interrupt_arm(&intr, _main_ident)
+    a.f.stop_ctx = &intr if a.f.stop != NULL else NULL
+    with nogil:
+        if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32:
+            rc = fa_sdpa_bwd_f32(&a)
+        else:
+            rc = fa_sdpa_bwd_f64(&a)
+    interrupt_raise(&intr)
     return rc
 
 
@@ -385,6 +490,7 @@ def sdpa_plain(object query, object key, object value, bint causal, bint bottom_
     a.scale = sc
     a.out = cnp.PyArray_DATA(out)
     a.weights = NULL
+    a.lse = NULL
     a.block_q = p_bq
     a.block_k = p_bk
     a.path = p_path

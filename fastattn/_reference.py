@@ -42,6 +42,23 @@ def softmax_rows(s):
     return np.where(fully, 0.0, w)
 
 
+def logsumexp_rows(s):
+    """log(sum(exp(s))) over the last axis in float64, shifted by the row max;
+    -inf for a row of only -inf (no allowed key); NaN propagates."""
+    s = np.asarray(s, dtype=np.float64)
+    if s.shape[-1] == 0:
+        return np.full(s.shape[:-1], -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0.0, m)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return (m + np.log(np.sum(np.exp(s - m), axis=-1, keepdims=True)))[..., 0]
+
+
+def _results(out, w, s, return_weights, return_lse):
+    res = (out,) + ((w,) if return_weights else ()) + ((logsumexp_rows(s),) if return_lse else ())
+    return res[0] if len(res) == 1 else res
+
+
 def scaled_dot_product_attention(
     query,
     key,
@@ -52,6 +69,7 @@ def scaled_dot_product_attention(
     *,
     causal_alignment="top_left",
     return_weights=False,
+    return_lse=False,
 ):
     """softmax(scale * q k^T + bias, masked) @ v in float64; fully masked rows give 0."""
     q = np.asarray(query, dtype=np.float64)
@@ -59,10 +77,45 @@ def scaled_dot_product_attention(
     v = np.asarray(value, dtype=np.float64)
     s, _ = _allowed_and_scores(q, k, attn_mask, is_causal, scale, causal_alignment)
     w = softmax_rows(s)
-    out = np.matmul(w, v)
-    if return_weights:
-        return out, w
-    return out
+    return _results(np.matmul(w, v), w, s, return_weights, return_lse)
+
+
+def _reduce_to(g, shape):
+    """Sum a gradient computed on broadcast operands back to an input's shape."""
+    shape = tuple(shape)
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    for ax, n in enumerate(shape):
+        if n == 1 and g.shape[ax] != 1:
+            g = g.sum(axis=ax, keepdims=True)
+    return g
+
+
+def scaled_dot_product_attention_backward(grad_out, query, key, value, attn_mask=None,
+                                          is_causal=False, scale=None, *,
+                                          causal_alignment="top_left"):
+    """(dq, dk, dv, dmask) of the float64 SDPA above, from the dense matrices:
+    P = softmax(S), dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)),
+    dQ = scale dS K, dK = scale dS^T Q, dmask = dS (None without a float mask);
+    each summed back to its input's shape."""
+    q = np.asarray(query, dtype=np.float64)
+    k = np.asarray(key, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    g = np.asarray(grad_out, dtype=np.float64)
+    d = q.shape[-1]
+    sc = (1.0 / np.sqrt(d) if d > 0 else 1.0) if scale is None else float(scale)
+    s, _ = _allowed_and_scores(q, k, attn_mask, is_causal, sc, causal_alignment)
+    p = softmax_rows(s)
+    dv = np.matmul(np.swapaxes(p, -1, -2), g)
+    dp = np.matmul(g, np.swapaxes(v, -1, -2))
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    ds = np.where(p > 0, ds, 0.0)  # no allowed key / masked: no gradient (even from NaN)
+    dq = sc * np.matmul(ds, k)
+    dk = sc * np.matmul(np.swapaxes(ds, -1, -2), q)
+    dmask = None
+    if attn_mask is not None and np.asarray(attn_mask).dtype != np.bool_:
+        dmask = _reduce_to(ds, np.shape(attn_mask))
+    return (_reduce_to(dq, q.shape), _reduce_to(dk, k.shape), _reduce_to(dv, v.shape), dmask)
 
 
 # ---------------------------------------------------------------------------
@@ -72,7 +125,7 @@ def scaled_dot_product_attention(
 # fastattn.similarity.
 
 def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
-              causal_alignment="top_left", return_weights=False):
+              causal_alignment="top_left", return_weights=False, return_lse=False):
     """softmax(score_fn(q, k) + mask) @ v in float64; fully masked rows give 0.
 
     score_fn(q, k) gets float64 arrays (..., Lq, d_q), (..., Lk, d_k) and
@@ -94,11 +147,9 @@ def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
         off = 0 if causal_alignment == "top_left" else Lk - Lq
         allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
     s, allowed = np.broadcast_arrays(s, allowed)
-    w = softmax_rows(np.where(allowed, s, -np.inf))
-    out = np.matmul(w, v)
-    if return_weights:
-        return out, w
-    return out
+    s = np.where(allowed, s, -np.inf)
+    w = softmax_rows(s)
+    return _results(np.matmul(w, v), w, s, return_weights, return_lse)
 
 
 def _f64(*xs):

@@ -157,10 +157,11 @@ def selftest_capsule():
 def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,
                     cnp.ndarray out, object weights, tuple batch_shape, bint causal,
                     int64_t causal_offset, int64_t block_q, int64_t block_k, int n_threads,
-                    int score_kind, uintptr_t score_fn, cnp.ndarray params, bint check_scores):
+                    int score_kind, uintptr_t score_fn, cnp.ndarray params, bint check_scores,
+                    object lse=None):
     """Run the kernel; returns (status, score function status).
 
-    q, k, v, out (and mask, weights when given) as for fastattn._kernels.sdpa
+    q, k, v, out (and mask, weights, lse when given) as for fastattn._kernels.sdpa
     (q and k share the feature size d); params: C-contiguous, its buffer is
     the score function's params (for SCORE_ADDITIVE: the v vector, d
     entries of q's dtype).
@@ -168,7 +169,7 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
     cdef fa_tiled_args a
     cdef layout_bufs lb
     cdef int rc
-    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, batch_shape)
+    fill_layout(&a, &lb, q, k, v, mask, mask_kind, FA_MASK_NONE, out, weights, lse, batch_shape)
     a.causal = causal
     a.causal_offset = causal_offset
     a.block_q = block_q

@@ -21,9 +21,11 @@ from ._validation import (
     BLAS_INT_MAX,
     broadcast_batch,
     canonical_matrix_stack,
+    check_grad_array,
     check_out,
     check_qkv,
     result_dtypes,
+    sum_to_shape,
 )
 
 __all__ = ["scaled_dot_product_attention", "explain", "Plan"]
@@ -172,6 +174,7 @@ def scaled_dot_product_attention(
     causal_alignment="top_left",
     out=None,
     n_threads=None,
+    return_lse=False,
 ):
     """Scaled dot-product attention, ``softmax(scale * Q K^T + mask) V``.
 
@@ -206,10 +209,18 @@ def scaled_dot_product_attention(
         main thread) its contents are unspecified.
     n_threads : int, optional
         Threads for this call (see :func:`fastattn.get_num_threads`).
+    return_lse : bool
+        Also return ``lse``, shape (..., Lq) (the broadcast batch shape), in
+        the compute dtype: for each query the natural-log log-sum-exp over
+        its allowed keys of the scaled, masked scores (``-inf`` for a row
+        with no allowed key).  With it, the weights are
+        ``exp(scale * q.k + mask - lse)``: what a backward pass or a merge of
+        attention over disjoint key sets needs, without the weights matrix.
 
     Returns
     -------
-    ndarray of shape (..., Lq, dv), or ``(output, weights)``.
+    ndarray of shape (..., Lq, dv); with ``return_weights`` and/or
+    ``return_lse``, a tuple ``(output[, weights][, lse])`` in that order.
     Rows with no allowed key are zeros.  The dtype follows NumPy promotion of
     query, key and value: float32 and float64 are computed natively, float16
     in float32 (returned as float16), integers and bool as float64.  Complex
@@ -220,7 +231,7 @@ def scaled_dot_product_attention(
     # has nothing to canonicalise: the binding checks those buffer properties
     # and remembers the plan of each signature.  Anything else (including
     # every error) takes the general path.
-    if (attn_mask is None and out is None and return_weights is False
+    if (attn_mask is None and out is None and return_weights is False and return_lse is False
             and (is_causal is False or is_causal is True)
             and (scale is None or type(scale) is not float or math.isfinite(scale))):
         if causal_alignment == "top_left":
@@ -237,7 +248,7 @@ def scaled_dot_product_attention(
                     _raise_status(r)
                 return r
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-                 causal_alignment, out, n_threads)
+                 causal_alignment, out, n_threads, return_lse)
     return _run(p)
 
 
@@ -263,6 +274,7 @@ class _Prepared(NamedTuple):
     causal_offset: int
     scale: float
     want_weights: bool
+    want_lse: bool
     out: object
     n_threads: int
     cdt: np.dtype
@@ -271,7 +283,7 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-             causal_alignment, out, n_threads):
+             causal_alignment, out, n_threads, return_lse=False):
     q, k, v = check_qkv(query, key, value)
     Lq, d = q.shape[-2:]
     Lk, dk = k.shape[-2:]
@@ -301,6 +313,10 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(
             f"return_weights: expected a bool, got {type(return_weights).__name__} {return_weights!r}"
+        )
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(
+            f"return_lse: expected a bool, got {type(return_lse).__name__} {return_lse!r}"
         )
 
     cdt, rdt = result_dtypes(q, k, v)
@@ -338,7 +354,7 @@ def _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
     if is_causal and causal_alignment == "bottom_right":
         off = Lk - Lq
     return _Prepared(qc, kc, vc, mask, mask_kind, batch, Lq, Lk, d, dv, bool(is_causal),
-                     causal_alignment, off, scale, bool(return_weights), out, nt, cdt, rdt,
+                     causal_alignment, off, scale, bool(return_weights), bool(return_lse), out, nt, cdt, rdt,
                      tuple(copies))
 
 
@@ -397,8 +413,10 @@ def _run(p: _Prepared):
     if not direct:
         res = np.empty(out_shape, dtype=p.cdt)
     weights = np.empty(w_shape, dtype=p.cdt) if p.want_weights else None
+    lse = np.empty(p.batch + (p.Lq,), dtype=p.cdt) if p.want_lse else None
 
-    empty = math.prod(out_shape) == 0 and (weights is None or weights.size == 0)
+    empty = (math.prod(out_shape) == 0 and (weights is None or weights.size == 0)
+             and (lse is None or lse.size == 0))
     if not empty:
         q, k, v = p.q, p.k, p.v
         if p.d == 0:  # scores are all 0: any width-1 zeros do
@@ -413,32 +431,37 @@ def _run(p: _Prepared):
                                              p.cdt.itemsize)
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa(q, k, v, p.mask, p.mask_kind, res_k, weights, p.batch,
-                           p.causal, p.causal_offset, p.scale, bq, bk, path, no_blas, nt)
+                           p.causal, p.causal_offset, p.scale, bq, bk, path, no_blas, nt,
+                           None if lse is None else lse[..., None])
         if rc:
             _raise_status(rc)
 
-    return _finish(p, res, weights)
+    return _finish(p, res, weights, lse)
 
 
-def _finish(p: _Prepared, res, weights):
+def _finish(p: _Prepared, res, weights, lse=None):
     """The call's result from the kernel's output ``res`` (``p.out`` itself or a
-    buffer in the compute dtype) and weights: copied into ``out=`` or cast to the
-    result dtype; ``(res, weights)`` when weights were asked for."""
+    buffer in the compute dtype), weights and lse: copied into ``out=`` or cast
+    to the result dtype (lse stays in the compute dtype); ``(res[, weights][,
+    lse])`` when either was asked for."""
     if p.out is not None:
         if res is not p.out:
             np.copyto(p.out, res, casting="unsafe")
         res = p.out
     elif p.rdt != p.cdt:
         res = res.astype(p.rdt)
+    if p.want_weights and p.rdt != p.cdt:
+        weights = weights.astype(p.rdt)
+    if p.want_lse:
+        return (res, weights, lse) if p.want_weights else (res, lse)
     if p.want_weights:
-        if p.rdt != p.cdt:
-            weights = weights.astype(p.rdt)
         return res, weights
     return res
 
 
 def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-            return_weights=False, causal_alignment="top_left", out=None, n_threads=None) -> Plan:
+            return_weights=False, causal_alignment="top_left", out=None, n_threads=None,
+            return_lse=False) -> Plan:
     """Say how :func:`scaled_dot_product_attention` would run these arguments.
 
     Takes the same arguments, validates them the same way, and returns a
@@ -446,8 +469,9 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
     without computing anything.
     """
     p = _prepare(query, key, value, attn_mask, is_causal, scale, return_weights,
-                 causal_alignment, out, n_threads)
-    if math.prod(p.batch) * p.Lq * p.dv == 0 and not (p.want_weights and math.prod(p.batch) * p.Lq * p.Lk):
+                 causal_alignment, out, n_threads, return_lse)
+    nrows = math.prod(p.batch) * p.Lq
+    if nrows * p.dv == 0 and not (p.want_weights and nrows * p.Lk) and not (p.want_lse and nrows):
         return Plan("empty", False, p.cdt.name, p.batch, 0, 0, 1, 0,
                     p.causal_alignment if p.causal else None,
                     _MASK_NAMES[p.mask_kind], p.copies,
@@ -464,3 +488,115 @@ def explain(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
         _MASK_NAMES[p.mask_kind],
         p.copies, why,
     )
+
+
+# ------------------------------------------------------------------ backward
+
+# Tiles of the backward kernel (csrc/fa_sdpa_bwd_impl.h): query rows x keys
+# per recomputed score tile.
+BWD_BLOCK_Q = 128
+BWD_BLOCK_K = 128
+
+
+# The backward splits each batch item's key blocks into groups, one task each,
+# so that few batch items still keep every thread busy: at least
+# BWD_MIN_TASKS (batch item, group) tasks.  A function of the shapes only --
+# never of the thread count -- so the gradients are the same bits for any
+# n_threads.  Each group past the first costs a (Lq, d) dQ partial per item.
+BWD_MIN_TASKS = 8
+
+
+def _bwd_groups(nbatch, nkb):
+    """Key groups per batch item for the backward (see BWD_MIN_TASKS)."""
+    if nbatch >= BWD_MIN_TASKS:
+        return 1
+    return max(1, min(nkb, -(-BWD_MIN_TASKS // max(nbatch, 1)), _kernels.BWD_MAX_GROUPS))
+
+
+def _grad_dtype(x, cdt):
+    """A gradient's dtype: its input's when that is a float dtype, else the compute dtype."""
+    dt = getattr(x, "dtype", None)
+    if dt is not None and dt.kind == "f" and dt.itemsize <= 8:
+        return dt
+    return cdt
+
+
+def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
+                  scale=None, *, causal_alignment="top_left", mask_grad=False, n_threads=None):
+    """Gradients of :func:`scaled_dot_product_attention` (FlashAttention-2).
+
+    Parameters
+    ----------
+    grad_out : array_like (..., Lq, dv)
+        dL/d(output), the shape of the forward's output.
+    query, key, value, attn_mask, is_causal, scale, causal_alignment
+        The forward's arguments, unchanged.
+    out, lse : array_like
+        The forward's output ``(..., Lq, dv)`` and its ``lse`` ``(..., Lq)``
+        (``return_lse=True``): the scores are recomputed tile by tile from
+        them, never an ``Lq x Lk`` matrix.
+    mask_grad : bool
+        Also return ``dmask``, the gradient of a float ``attn_mask`` (its
+        shape; needs ``(..., Lq, Lk)`` memory while it is summed).
+    n_threads : int, optional
+        Threads for this call.
+
+    Returns
+    -------
+    ``(dq, dk, dv)``, or ``(dq, dk, dv, dmask)`` with ``mask_grad``.  Each has
+    its input's shape (dims that were broadcast are summed back) and dtype (a
+    non-float input gets the compute dtype).  Rows with no allowed key give
+    exact zero gradients.  The result depends on the inputs only, not on the
+    thread count.
+    """
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, False, causal_alignment, None,
+                 n_threads)
+    if not isinstance(mask_grad, (bool, np.bool_)):
+        raise TypeError(f"mask_grad: expected a bool, got {type(mask_grad).__name__} {mask_grad!r}")
+    if mask_grad and p.mask_kind != _masks.MASK_ADD:
+        raise ValueError(
+            "mask_grad: expected a float attn_mask (only an additive mask has a gradient), got "
+            + ("no attn_mask" if p.mask is None else "a bool attn_mask"))
+    cdt = p.cdt
+    osh = p.batch + (p.Lq, p.dv)
+    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh, cdt), cdt)
+    o = canonical_matrix_stack(check_grad_array(out, "out", osh, cdt), cdt)
+    ls = check_grad_array(lse, "lse", p.batch + (p.Lq,), cdt)
+    if ls.dtype != cdt or (p.Lq > 1 and ls.strides[-1] != ls.itemsize) or not ls.flags.aligned:
+        ls = np.array(ls, dtype=cdt, order="C")
+
+    nrows = math.prod(p.batch) * p.Lq
+    run = bool(nrows and p.Lk and p.dv)  # otherwise every gradient is a sum of nothing: zeros
+    new = np.empty if run else np.zeros  # the kernel writes every element
+    dq = new(p.batch + (p.Lq, p.d), cdt)
+    dk = new(p.batch + (p.Lk, p.d), cdt)
+    dv = new(p.batch + (p.Lk, p.dv), cdt)
+    dmask = np.zeros(p.batch + (p.Lq, p.Lk), cdt) if mask_grad else None
+    if run:
+        q, k, dq_k, dk_k = p.q, p.k, dq, dk
+        if p.d == 0:  # the scores are 0: any width-1 zeros do (their gradients are dropped)
+            q = np.zeros(p.q.shape[:-1] + (1,), cdt)
+            k = np.zeros(p.k.shape[:-1] + (1,), cdt)
+            dq_k = np.empty(p.batch + (p.Lq, 1), cdt)
+            dk_k = np.empty(p.batch + (p.Lk, 1), cdt)
+        nt = p.n_threads
+        if 10.0 * math.prod(p.batch) * p.Lq * p.Lk * (max(p.d, 1) + p.dv) < PARALLEL_MIN_FLOPS:
+            nt = 1
+        bq, bk = max(1, min(BWD_BLOCK_Q, p.Lq)), max(1, min(BWD_BLOCK_K, p.Lk))
+        ng = _bwd_groups(math.prod(p.batch), -(-p.Lk // bk))
+        delta = np.empty(nrows, np.float64)
+        part = np.empty((ng - 1) * nrows * dq_k.shape[-1], cdt) if ng > 1 else None
+        _threads.ensure_blas_hook()
+        rc = _kernels.sdpa_backward(
+            q, k, p.v, o, g, ls[..., None], p.mask, p.mask_kind, dq_k, dk_k, dv, dmask, delta,
+            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part,
+            STREAM_OWN_PRODUCTS and _kernels.simd_active())
+        if rc:
+            _raise_status(rc)
+    grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),
+             sum_to_shape(dk, np.shape(p.k)).astype(_grad_dtype(key, cdt), copy=False),
+             sum_to_shape(dv, np.shape(p.v)).astype(_grad_dtype(value, cdt), copy=False)]
+    if mask_grad:
+        m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        grads.append(sum_to_shape(dmask, m.shape).astype(m.dtype, copy=False))
+    return tuple(grads)

@@ -142,3 +142,34 @@ def check_qkv(query, key, value) -> tuple:
                 f"got {a.ndim}-d array of shape {a.shape}"
             )
     return q, k, v
+
+
+def sum_to_shape(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``a`` summed over the dims that broadcasting added or stretched to reach
+    its shape from ``shape`` (the reverse of ``np.broadcast_to``, as autograd
+    sums a broadcast input's gradient); ``a`` itself when nothing was broadcast.
+    The sums run in a fixed order (NumPy's pairwise summation)."""
+    shape = tuple(shape)
+    if a.shape == shape:
+        return a
+    lead = a.ndim - len(shape)
+    if lead:
+        a = a.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, (n, m) in enumerate(zip(shape, a.shape)) if n == 1 and m != 1)
+    if axes:
+        a = a.sum(axis=axes, keepdims=True)
+    return a
+
+
+def check_grad_array(x, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """A forward result handed to a backward (``grad_out``, ``out``, ``lse``):
+    a real floating array of exactly ``shape``, as a canonical stack in
+    ``dtype`` (cast, and copied when its rows are not BLAS-addressable)."""
+    a = as_array(x, name)
+    if a.dtype.kind != "f" or a.dtype.itemsize > 8:
+        raise TypeError(
+            f"{name}: expected a real floating array (float16, float32 or float64), "
+            f"got dtype {a.dtype}")
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
+    return a

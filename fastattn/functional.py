@@ -22,7 +22,7 @@ from ._attention import PreparedAttention, attention
 from ._linear import linear
 from ._multihead import multi_head_attention
 from ._recurrence import rnn_cell, rnn_scan
-from ._sdpa import Plan, explain, scaled_dot_product_attention
+from ._sdpa import Plan, explain, scaled_dot_product_attention, sdpa_backward
 
 # For fastattn.layers.MultiHeadAttention (private): weights validated once, at
 # load time, then the prepared call.  Looked up here at call time by the layer.
@@ -32,6 +32,7 @@ from ._multihead import prepare_weights as _prepare_mha_weights  # noqa: F401
 
 __all__ = [
     "scaled_dot_product_attention",
+    "sdpa_backward",
     "explain",
     "Plan",
     "multi_head_attention",

@@ -1,0 +1,393 @@
+/*
+ * Backward of the scaled-dot-product attention kernel (fastattn.h,
+ * fa_sdpa_bwd_args), instantiated once per precision by fa_sdpa.c right after
+ * fa_sdpa_impl.h, with REAL, SFX and GEMM defined; it reuses that header's
+ * batch_off, mask_row, key_end and rm_gemm.  Not a public header.
+ *
+ * With P = exp(S - lse) recomputed per tile (S = scale Q K^T + mask, masked
+ * and causally forbidden entries -inf), dP = dO V^T and D = rowsum(dO o O):
+ *     dS = P o (dP - D),  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K.
+ * One pass, five tile products (S, dP, dV, dK, dQ), over tasks (batch item,
+ * key group): a group is a fixed run of key blocks (a function of the shape
+ * and the thread count only), and its task sums dK_j and dV_j of each of its
+ * blocks over the query blocks that see it, and adds dS K_j into its own dQ
+ * buffer: the dq output for group 0, a scratch partial per further group,
+ * summed into dq in group order afterwards.  Every output element is summed
+ * by one task in a fixed order, so the result depends on the shapes and the
+ * number of groups, never on which thread ran what.  More than one group
+ * only when there are fewer batch items than twice the threads (one head
+ * still uses every core); the partials cost (groups - 1) x Lq x d a batch item.
+ *
+ * Accuracy: every gradient is a long sum (over all queries for dK and dV,
+ * all keys for dQ).  It is formed from products of at most FA_BWD_SUM_ROWS
+ * terms each (a BLAS call summed from zero), added into a double accumulator
+ * (dK_j, dV_j: bk rows a task) or onto the dQ rows: float32 rms errors went
+ * from 1.0-1.12x torch's to 0.86-0.96x (one sequential float32 sum over 512
+ * queries was the largest term).
+ */
+#ifndef FA_BWD_SUM_ROWS
+#define FA_BWD_SUM_ROWS 64
+#endif
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+/* acc (rows x cols, row stride cols) += T (rows x cols, row stride cols) */
+static inline void FN(bwd_acc)(double *acc, const REAL *T, int64_t n)
+{
+    for (int64_t c = 0; c < n; c++)
+        acc[c] += (double)T[c];
+}
+
+/* dst (rows x cols, row stride ld) = (REAL) acc (row stride cols) */
+static inline void FN(bwd_store)(REAL *dst, int64_t ld, const double *acc, int64_t rows,
+                                 int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[r * ld + c] = (REAL)acc[r * cols + c];
+}
+
+/* acc (M x N) += alpha * op(A)(M x K) . B (K x N, row stride ldb) with the
+ * reduction over K cut into products of at most FA_BWD_SUM_ROWS terms, each
+ * computed into T (M x N) from zero.  transA: A is stored K x M (row stride
+ * lda), else M x K. */
+static void FN(bwd_gemm_acc)(int transA, int64_t M, int64_t N, int64_t K, REAL alpha,
+                             const REAL *A, int64_t lda, const REAL *B, int64_t ldb, REAL *T,
+                             double *acc)
+{
+    for (int64_t k0 = 0; k0 < K; k0 += FA_BWD_SUM_ROWS) {
+        int64_t kc = K - k0 < FA_BWD_SUM_ROWS ? K - k0 : FA_BWD_SUM_ROWS;
+        const REAL *Ac = transA ? A + k0 * lda : A + k0;
+        FN(rm_gemm)(transA ? 'T' : 'N', 'N', M, N, kc, alpha, Ac, lda, B + k0 * ldb, ldb,
+                    (REAL)0, T, N);
+        FN(bwd_acc)(acc, T, M * N);
+    }
+}
+
+/* P = exp(S - lse) for the m x n tile S (row stride n) of query rows
+ * [i0, i0+m), keys [j0, j0+n); rows with lse = -inf (no allowed key) become
+ * exact zeros.  Lse points at row i0. */
+static void FN(bwd_probs)(const fa_sdpa_args *f, const fa_rowops *ops, const unsigned char *mb,
+                          const REAL *bb, const REAL *Lse, REAL *S, int64_t i0, int64_t m,
+                          int64_t j0, int64_t n)
+{
+    for (int64_t r = 0; r < m; r++) {
+        REAL *s = S + r * n;
+        REAL L = Lse[r];
+        if (L == (REAL)(-INFINITY)) {
+            memset(s, 0, (size_t)n * sizeof(REAL));
+            continue;
+        }
+        FN(mask_row)(f, ops, mb, bb, s, i0 + r, j0, n);
+        for (int64_t c = 0; c < n; c++)
+            s[c] -= L;
+        ops->CAT(exp, SFX)(s, s, n);
+    }
+}
+
+/* dS = P o (dP - D) in place of dP (m x n, row stride n); rows with lse = -inf
+ * exact zeros (whatever dP holds). */
+static void FN(bwd_dscores)(const REAL *P, REAL *dP, const double *D, const REAL *Lse,
+                            int64_t m, int64_t n)
+{
+    for (int64_t r = 0; r < m; r++) {
+        REAL *g = dP + r * n;
+        const REAL *p = P + r * n;
+        if (Lse[r] == (REAL)(-INFINITY)) {
+            memset(g, 0, (size_t)n * sizeof(REAL));
+            continue;
+        }
+        /* D in double: dP - D often cancels, and D rounded to REAL was the
+         * largest error of dS there */
+        const double dr = D[r];
+        for (int64_t c = 0; c < n; c++)
+            g[c] = p[c] * (REAL)((double)g[c] - dr);
+    }
+}
+
+typedef struct {
+    const fa_sdpa_bwd_args *a;
+    const fa_rowops *ops;
+    int64_t nqb, nkb;
+    int64_t ngroups;
+    const int64_t *gstart;   /* key blocks [gstart[g], gstart[g+1]) form group g */
+    size_t need;
+    size_t acc_off;          /* bytes from the scratch start to the double accumulators */
+    int status;
+    fa_stop_poll poll;
+} FN(bjob);
+
+static inline const unsigned char *FN(bwd_bmask)(const fa_sdpa_args *f, int64_t b)
+{
+    return f->mask_kind == FA_MASK_BOOL
+               ? (const unsigned char *)f->mask + FN(batch_off)(f, f->m_bs, b) : NULL;
+}
+
+static inline const REAL *FN(bwd_amask)(const fa_sdpa_args *f, int64_t b)
+{
+    return f->mask_kind == FA_MASK_ADD ? (const REAL *)f->mask + FN(batch_off)(f, f->m_bs, b)
+                                       : NULL;
+}
+
+/* The dQ buffer of group g of batch item b: dq itself for g = 0, else a
+ * C-contiguous (Lq x d) partial in a->dq_part. */
+static inline REAL *FN(bwd_dq_buf)(const fa_sdpa_bwd_args *a, const FN(bjob) *j, int64_t b,
+                                   int64_t g, int64_t *ld)
+{
+    const fa_sdpa_args *f = &a->f;
+    if (g == 0) {
+        *ld = a->lddq;
+        return (REAL *)a->dq + FN(batch_off)(f, a->dq_bs, b);
+    }
+    int64_t nbatch = 1;
+    for (int i = 0; i < f->nbatch; i++)
+        nbatch *= f->batch_shape[i];
+    *ld = f->d;
+    return (REAL *)a->dq_part + ((g - 1) * nbatch + b) * f->Lq * f->d;
+}
+
+/* Pass 0: D[b, i] = sum_c dO[i, c] O[i, c] (summed in double); dQ buffers zeroed. */
+static void FN(bwd_delta_task)(void *ctx, int64_t t, int slot)
+{
+    (void)slot;
+    FN(bjob) *j = (FN(bjob) *)ctx;
+    const fa_sdpa_bwd_args *a = j->a;
+    const fa_sdpa_args *f = &a->f;
+    int64_t b = t / j->nqb, i0 = (t % j->nqb) * f->block_q;
+    int64_t m = f->Lq - i0 < f->block_q ? f->Lq - i0 : f->block_q;
+    const REAL *G = (const REAL *)a->grad_out + FN(batch_off)(f, a->g_bs, b) + i0 * a->ldg;
+    const REAL *O = (const REAL *)f->out + FN(batch_off)(f, f->o_bs, b) + i0 * f->ldo;
+    double *D = (double *)a->delta + b * f->Lq + i0;
+    for (int64_t r = 0; r < m; r++) {
+        double s = 0;
+        for (int64_t c = 0; c < f->dv; c++)
+            s += (double)G[r * a->ldg + c] * (double)O[r * f->ldo + c];
+        D[r] = s;
+    }
+    for (int64_t g = 0; g < j->ngroups; g++) {
+        int64_t ld;
+        REAL *dQ = FN(bwd_dq_buf)(a, j, b, g, &ld) + i0 * ld;
+        for (int64_t r = 0; r < m; r++)
+            memset(dQ + r * ld, 0, (size_t)f->d * sizeof(REAL));
+    }
+}
+
+/* Pass 1: the key blocks of group g of batch item b. */
+static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
+{
+    FN(bjob) *j = (FN(bjob) *)ctx;
+    const fa_sdpa_bwd_args *a = j->a;
+    const fa_sdpa_args *f = &a->f;
+    if (fa_stop_poll_stopped(&j->poll))
+        return;
+    REAL *S = (REAL *)fa_arena(j->need);
+    if (!S) {
+        __atomic_store_n(&j->status, FA_ENOMEM, __ATOMIC_RELAXED);
+        return;
+    }
+    const int64_t bq = f->block_q, bk = f->block_k;
+    REAL *dP = S + bq * bk;
+    REAL *T = dP + bq * bk;
+    /* key block j packed for the products (csrc/fa_rowops.h): scale K_j^T and
+     * V_j^T as the forward packs them (so S has the forward's bits and P its
+     * weights), K_j row panels for dQ in chunks of FA_BWD_SUM_ROWS keys */
+    REAL *kp = T + (bq > bk ? bq : bk) * (f->d > f->dv ? f->d : f->dv);
+    REAL *vp = kp + FA_PACK_ROUND(bk) * f->d;
+    REAL *kr = vp + FA_PACK_ROUND(bk) * f->dv;
+    double *accK = (double *)((char *)S + j->acc_off);
+    const int64_t b = t / j->ngroups, g = t % j->ngroups;
+    /* the forward's products: our packed ones (f->direct) or BLAS, so that S
+     * has the bits the forward's lse was computed from */
+    const int own = f->direct;
+    const REAL scale = (REAL)f->scale;
+    const REAL *Q = (const REAL *)f->q + FN(batch_off)(f, f->q_bs, b);
+    const REAL *K = (const REAL *)f->k + FN(batch_off)(f, f->k_bs, b);
+    const REAL *V = (const REAL *)f->v + FN(batch_off)(f, f->v_bs, b);
+    const REAL *G = (const REAL *)a->grad_out + FN(batch_off)(f, a->g_bs, b);
+    const REAL *Lse = (const REAL *)f->lse + FN(batch_off)(f, f->l_bs, b);
+    const double *D = (const double *)a->delta + b * f->Lq;
+    int64_t lddq;
+    REAL *dQ = FN(bwd_dq_buf)(a, j, b, g, &lddq);
+    REAL *dM = a->dmask ? (REAL *)a->dmask + FN(batch_off)(f, a->dm_bs, b) : NULL;
+    const unsigned char *mb = FN(bwd_bmask)(f, b);
+    const REAL *bb = FN(bwd_amask)(f, b);
+    for (int64_t jb = j->gstart[g]; jb < j->gstart[g + 1]; jb++) {
+        const int64_t j0 = jb * bk;
+        const int64_t n = f->Lk - j0 < bk ? f->Lk - j0 : bk;
+        const REAL *Kj = K + j0 * f->ldk;
+        const REAL *Vj = V + j0 * f->ldv;
+        REAL *dKj = (REAL *)a->dk + FN(batch_off)(f, a->dk_bs, b) + j0 * a->lddk;
+        REAL *dVj = (REAL *)a->dv + FN(batch_off)(f, a->dv_bs, b) + j0 * a->lddv;
+        double *accV = accK + n * f->d;
+        memset(accK, 0, (size_t)(n * (f->d + f->dv)) * sizeof(double));
+        if (own) {
+            FN(ops_pack_kt)(j->ops, n, f->d, scale, Kj, f->ldk, kp);
+            FN(ops_pack_kt)(j->ops, n, f->dv, (REAL)1, Vj, f->ldv, vp);
+            for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
+                int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
+                FN(ops_pack_v)(j->ops, nc, f->d, Kj + c0 * f->ldk, f->ldk,
+                               kr + c0 * FA_PACK_ROUND(f->d));
+            }
+        }
+        /* the first query row that may see key j0: i + offset >= j0 */
+        int64_t ifirst = 0;
+        if (f->causal) {
+            ifirst = j0 - f->causal_offset;
+            ifirst = ifirst < 0 ? 0 : ifirst > f->Lq ? f->Lq : ifirst;
+            ifirst = ifirst / bq * bq;
+        }
+        if (dM)   /* rows above the causal diagonal of this key block */
+            for (int64_t r = 0; r < ifirst; r++)
+                memset(dM + r * a->lddm + j0, 0, (size_t)n * sizeof(REAL));
+        for (int64_t i0 = ifirst; i0 < f->Lq; i0 += bq) {
+            if (fa_stop_poll_check(&j->poll, slot))
+                return;
+            const int64_t m = f->Lq - i0 < bq ? f->Lq - i0 : bq;
+            if (mb && fa_tile_masked_out(mb, f->ldm, i0, m, j0, n))
+                continue;
+            const REAL *Qi = Q + i0 * f->ldq;
+            const REAL *Gi = G + i0 * a->ldg;
+            if (own)
+                FN(ops_gemm_pb)(j->ops, m, n, f->d, Qi, f->ldq, kp, S, n, 0, NULL, 0);
+            else
+                FN(rm_gemm)('N', 'T', m, n, f->d, scale, Qi, f->ldq, Kj, f->ldk, (REAL)0, S, n);
+            FN(bwd_probs)(f, j->ops, mb, bb, Lse + i0, S, i0, m, j0, n);
+            /* dV_j += P^T dO_i */
+            FN(bwd_gemm_acc)(1, n, f->dv, m, (REAL)1, S, n, Gi, a->ldg, T, accV);
+            /* dP = dO_i V_j^T, then dS in its place */
+            if (own)
+                FN(ops_gemm_pb)(j->ops, m, n, f->dv, Gi, a->ldg, vp, dP, n, 0, NULL, 0);
+            else
+                FN(rm_gemm)('N', 'T', m, n, f->dv, (REAL)1, Gi, a->ldg, Vj, f->ldv, (REAL)0, dP, n);
+            FN(bwd_dscores)(S, dP, D + i0, Lse + i0, m, n);
+            if (dM)
+                for (int64_t r = 0; r < m; r++)
+                    memcpy(dM + (i0 + r) * a->lddm + j0, dP + r * n, (size_t)n * sizeof(REAL));
+            /* dK_j += scale dS^T Q_i */
+            FN(bwd_gemm_acc)(1, n, f->d, m, scale, dP, n, Qi, f->ldq, T, accK);
+            /* dQ_i += scale dS K_j, in products of at most FA_BWD_SUM_ROWS keys */
+            if (own)
+                FN(scale_row)(dP, m * n, scale);   /* dS * scale for dQ (BLAS: in alpha) */
+            for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
+                int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
+                if (own)
+                    FN(ops_gemm_pb)(j->ops, m, f->d, nc, dP + c0, n,
+                                    kr + c0 * FA_PACK_ROUND(f->d), dQ + i0 * lddq, lddq, 1, NULL, 0);
+                else
+                    FN(rm_gemm)('N', 'N', m, f->d, nc, scale, dP + c0, n, Kj + c0 * f->ldk,
+                                f->ldk, (REAL)1, dQ + i0 * lddq, lddq);
+            }
+        }
+        FN(bwd_store)(dKj, a->lddk, accK, n, f->d);
+        FN(bwd_store)(dVj, a->lddv, accV, n, f->dv);
+    }
+}
+
+/* Pass 2: dq rows of query block qb of batch item b += the partials, in group
+ * order; rows with no allowed key set to exact zeros (their dS is 0, but a
+ * NaN or inf in a masked-out key would still reach them through 0 * NaN). */
+static void FN(bwd_reduce_task)(void *ctx, int64_t t, int slot)
+{
+    (void)slot;
+    FN(bjob) *j = (FN(bjob) *)ctx;
+    const fa_sdpa_bwd_args *a = j->a;
+    const fa_sdpa_args *f = &a->f;
+    int64_t b = t / j->nqb, i0 = (t % j->nqb) * f->block_q;
+    int64_t m = f->Lq - i0 < f->block_q ? f->Lq - i0 : f->block_q;
+    int64_t ld0, ldg;
+    REAL *dq = FN(bwd_dq_buf)(a, j, b, 0, &ld0) + i0 * ld0;
+    for (int64_t g = 1; g < j->ngroups; g++) {
+        const REAL *part = FN(bwd_dq_buf)(a, j, b, g, &ldg) + i0 * ldg;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < f->d; c++)
+                dq[r * ld0 + c] += part[r * ldg + c];
+    }
+    const REAL *Lse = (const REAL *)f->lse + FN(batch_off)(f, f->l_bs, b) + i0;
+    for (int64_t r = 0; r < m; r++)
+        if (Lse[r] == (REAL)(-INFINITY))
+            memset(dq + r * ld0, 0, (size_t)f->d * sizeof(REAL));
+}
+
+/* Split the nkb key blocks into ngroups runs of about equal work (query rows
+ * that see each block: fewer for late blocks under causality). */
+static void FN(bwd_groups)(const fa_sdpa_args *f, int64_t nkb, int64_t ngroups, int64_t *gstart)
+{
+    double total = 0;
+    for (int64_t jb = 0; jb < nkb; jb++) {
+        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
+        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
+        total += (double)(f->Lq - first) + 1.0;
+    }
+    gstart[0] = 0;
+    double acc = 0;
+    int64_t g = 1;
+    for (int64_t jb = 0; jb < nkb && g < ngroups; jb++) {
+        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
+        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
+        acc += (double)(f->Lq - first) + 1.0;
+        /* close group g-1 after this block once it holds its share, leaving
+         * at least one block for each group still to come */
+        while (g < ngroups && acc >= total * (double)g / (double)ngroups
+               && nkb - (jb + 1) >= ngroups - g) {
+            gstart[g++] = jb + 1;
+        }
+    }
+    for (; g < ngroups; g++)   /* (only when there are fewer blocks than groups) */
+        gstart[g] = gstart[g - 1] + 1 <= nkb ? gstart[g - 1] + 1 : nkb;
+    gstart[ngroups] = nkb;
+}
+
+int FN(fa_sdpa_bwd)(const fa_sdpa_bwd_args *a)
+{
+    const fa_sdpa_args *f = &a->f;
+    if (!GEMM || f->block_q < 1 || f->block_k < 1 || f->n_threads < 1 || !f->lse || !a->delta
+        || f->d < 1 || f->dv < 1 || a->ngroups < 1 || a->ngroups > FA_BWD_MAX_GROUPS
+        || (a->ngroups > 1 && !a->dq_part))
+        return FA_EINVAL;
+    if (!(fa_blas_fits(f->block_q) && fa_blas_fits(f->block_k) && fa_blas_fits(f->d)
+          && fa_blas_fits(f->dv) && fa_blas_fits(f->ldq) && fa_blas_fits(f->ldk)
+          && fa_blas_fits(f->ldv) && fa_blas_fits(a->ldg) && fa_blas_fits(a->lddq)
+          && fa_blas_fits(a->lddk) && fa_blas_fits(a->lddv)))
+        return FA_EINVAL;   /* BLAS takes 32-bit ints: never truncate a size */
+    int64_t nbatch = 1;
+    for (int i = 0; i < f->nbatch; i++)
+        nbatch *= f->batch_shape[i];
+    int64_t gstart[FA_BWD_MAX_GROUPS + 1];
+    FN(bjob) j;
+    j.a = a;
+    j.ops = fa_get_rowops();
+    j.nqb = (f->Lq + f->block_q - 1) / f->block_q;
+    j.nkb = (f->Lk + f->block_k - 1) / f->block_k;
+    j.ngroups = a->ngroups;
+    j.gstart = gstart;
+    {
+        int64_t bq = f->block_q, bk = f->block_k, mx = bq > bk ? bq : bk;
+        int64_t w = f->d > f->dv ? f->d : f->dv;
+        size_t reals = (size_t)(2 * bq * bk + mx * w + FA_PACK_ROUND(bk) * (f->d + f->dv)
+                                + FA_PACK_ROUND(f->d) * bk) * sizeof(REAL);
+        j.acc_off = (reals + 63) / 64 * 64;
+        j.need = j.acc_off + (size_t)(bk * (f->d + f->dv)) * sizeof(double);
+    }
+    j.status = FA_OK;
+    fa_stop_poll_init(&j.poll, f->stop, f->stop_ctx);
+    if (nbatch == 0 || f->Lq == 0)
+        return FA_OK;
+    FN(bwd_groups)(f, j.nkb, j.ngroups, gstart);
+    fa_stop_fn stop = f->stop ? fa_stop_poll_fn : NULL;
+    int nt = f->n_threads;
+    fa_blas_set_threads_fn hook = fa_blas_threads_enter();
+    int stopped = fa_pool_run(nbatch * j.nqb, nt, FN(bwd_delta_task), &j, stop, &j.poll);
+    if (!stopped && f->Lk > 0)
+        stopped = fa_pool_run(nbatch * j.ngroups, nt, FN(bwd_group_task), &j, stop, &j.poll);
+    if (!stopped && j.status == FA_OK)
+        stopped = fa_pool_run(nbatch * j.nqb, nt, FN(bwd_reduce_task), &j, stop, &j.poll);
+    fa_blas_threads_exit(hook);
+    if (stopped || fa_stop_poll_stopped(&j.poll))
+        return FA_EINTR;
+    return j.status;
+}
+
+#undef FN
+#undef CAT
+#undef CAT_
