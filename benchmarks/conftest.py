@@ -14,6 +14,8 @@ scripts here are run directly: ``python benchmarks/memory.py`` (peak extra
 RSS of one call), ``python benchmarks/busy.py`` (a competing process on
 one core) and ``python benchmarks/idle.py`` (CPU burned after a call).
 """
+import pytest
+
 import fastattn
 from fastattn import _bench, _threads
 
@@ -67,3 +69,16 @@ def pytest_benchmark_update_machine_info(config, machine_info):
             "float32": _bench.ort_describe("float32"),
             "float64": _bench.ort_describe("float64"),
         }
+
+
+@pytest.fixture
+def quiesce_after(benchmark):
+    """Record how busy *other* processes kept the machine during the benchmark
+    (``extra_info["other_cores"]``; report.py flags rows above 0.15), then
+    rest: OpenBLAS, onnxruntime and torch workers spin for up to ~110 ms after
+    a call (benchmarks/idle.py) and would slow down whatever is timed next on
+    this 2-core machine."""
+    load = _bench.LoadMonitor()
+    yield
+    benchmark.extra_info["other_cores"] = round(load.other_cores() or 0.0, 3)
+    _bench.quiesce()

@@ -45,6 +45,9 @@ import fastattn
 from fastattn import _bench, _reference
 from fastattn.layers import MultiHeadAttention
 
+# every benchmark records the other processes' load and rests afterwards (conftest)
+pytestmark = pytest.mark.usefixtures("quiesce_after")
+
 N_THREADS = fastattn.get_num_threads()
 torch = _bench.load_torch(N_THREADS)
 ort = _bench.load_ort()
@@ -177,12 +180,6 @@ def _callable(impl, x):
     raise ValueError(impl)
 
 
-@pytest.fixture(autouse=True)
-def _quiesce(benchmark):
-    load = _bench.LoadMonitor()
-    yield
-    benchmark.extra_info["other_cores"] = round(load.other_cores() or 0.0, 3)
-    _bench.quiesce()
 
 
 def _time(benchmark, fn, first_call_s):

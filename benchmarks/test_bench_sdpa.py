@@ -57,6 +57,9 @@ import fastattn
 from fastattn import _bench, _reference
 from fastattn._bench import Case
 
+# every benchmark records the other processes' load and rests afterwards (conftest)
+pytestmark = pytest.mark.usefixtures("quiesce_after")
+
 N_THREADS = fastattn.get_num_threads()
 torch = _bench.load_torch(N_THREADS)
 ort = _bench.load_ort()
@@ -94,19 +97,6 @@ def case_data(case: Case) -> Data:
     with _bench.blas_threads(1, which=("numpy",)):  # leaves no OpenBLAS worker spinning
         expected = _bench.numpy_sdpa(q, k, v, mask)
     return Data(q, k, v, mask, expected)
-
-
-@pytest.fixture(autouse=True)
-def _quiesce(benchmark):
-    """Record how busy *other* processes kept the machine during the benchmark
-    (``extra_info["other_cores"]``; report.py flags rows above 0.15), then
-    rest: OpenBLAS, onnxruntime and torch workers spin for up to ~110 ms after
-    a call (benchmarks/idle.py) and would slow down whatever is timed next on
-    this 2-core machine."""
-    load = _bench.LoadMonitor()
-    yield
-    benchmark.extra_info["other_cores"] = round(load.other_cores() or 0.0, 3)
-    _bench.quiesce()
 
 
 def assert_close(actual, case: Case, expected, impl=""):

@@ -36,6 +36,9 @@ from fastattn import _bench, _reference
 from fastattn._bench import Case
 from fastattn.functional import sdpa_backward
 
+# every benchmark records the other processes' load and rests afterwards (conftest)
+pytestmark = pytest.mark.usefixtures("quiesce_after")
+
 N_THREADS = fastattn.get_num_threads()
 torch = _bench.load_torch(N_THREADS)
 
@@ -101,12 +104,6 @@ def impl_callable(impl, q, k, v, g, causal):
     return lambda: numpy_training(q, k, v, g, causal)
 
 
-@pytest.fixture(autouse=True)
-def _quiesce(benchmark):
-    load = _bench.LoadMonitor()
-    yield
-    benchmark.extra_info["other_cores"] = round(load.other_cores() or 0.0, 3)
-    _bench.quiesce()
 
 
 def _params():

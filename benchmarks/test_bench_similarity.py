@@ -38,6 +38,9 @@ from fastattn.testing import benchmark_similarity
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import similarity_impls as SI  # noqa: E402
 
+# every benchmark records the other processes' load and rests afterwards (conftest)
+pytestmark = pytest.mark.usefixtures("quiesce_after")
+
 N_THREADS = fastattn.get_num_threads()
 torch = _bench.load_torch(N_THREADS)
 keras = SI.load_keras() if torch is not None else None
@@ -45,12 +48,6 @@ PEER_RTOL = 1e-4   # peers and NumPy against the float64 oracle (relative to max
 TARGET_RTOL = 1e-5  # fastattn float32
 
 
-@pytest.fixture(autouse=True)
-def _quiesce(benchmark):
-    load = _bench.LoadMonitor()
-    yield
-    benchmark.extra_info["other_cores"] = round(load.other_cores() or 0.0, 3)
-    _bench.quiesce()
 
 
 @functools.lru_cache(maxsize=1)

@@ -147,6 +147,16 @@ static inline REAL *FN(bwd_dq_buf)(const fa_sdpa_bwd_args *a, const FN(bjob) *j,
     return (REAL *)a->dq_part + ((g - 1) * nbatch + b) * f->Lq * f->d;
 }
 
+/* Task t of a run over (batch item b, query block from row i0, m rows). */
+static inline void FN(bwd_rows)(const FN(bjob) *j, int64_t t, int64_t *b, int64_t *i0,
+                                int64_t *m)
+{
+    const fa_sdpa_args *f = &j->a->f;
+    *b = t / j->nqb;
+    *i0 = (t % j->nqb) * f->block_q;
+    *m = f->Lq - *i0 < f->block_q ? f->Lq - *i0 : f->block_q;
+}
+
 /* Pass 0: D[b, i] = sum_c dO[i, c] O[i, c] (summed in double); dQ buffers zeroed. */
 static void FN(bwd_delta_task)(void *ctx, int64_t t, int slot)
 {
@@ -154,8 +164,8 @@ static void FN(bwd_delta_task)(void *ctx, int64_t t, int slot)
     FN(bjob) *j = (FN(bjob) *)ctx;
     const fa_sdpa_bwd_args *a = j->a;
     const fa_sdpa_args *f = &a->f;
-    int64_t b = t / j->nqb, i0 = (t % j->nqb) * f->block_q;
-    int64_t m = f->Lq - i0 < f->block_q ? f->Lq - i0 : f->block_q;
+    int64_t b, i0, m;
+    FN(bwd_rows)(j, t, &b, &i0, &m);
     const REAL *G = (const REAL *)a->grad_out + FN(batch_off)(f, a->g_bs, b) + i0 * a->ldg;
     const REAL *O = (const REAL *)f->out + FN(batch_off)(f, f->o_bs, b) + i0 * f->ldo;
     double *D = (double *)a->delta + b * f->Lq + i0;
@@ -293,8 +303,8 @@ static void FN(bwd_reduce_task)(void *ctx, int64_t t, int slot)
     FN(bjob) *j = (FN(bjob) *)ctx;
     const fa_sdpa_bwd_args *a = j->a;
     const fa_sdpa_args *f = &a->f;
-    int64_t b = t / j->nqb, i0 = (t % j->nqb) * f->block_q;
-    int64_t m = f->Lq - i0 < f->block_q ? f->Lq - i0 : f->block_q;
+    int64_t b, i0, m;
+    FN(bwd_rows)(j, t, &b, &i0, &m);
     int64_t ld0, ldg;
     REAL *dq = FN(bwd_dq_buf)(a, j, b, 0, &ld0) + i0 * ld0;
     for (int64_t g = 1; g < j->ngroups; g++) {
