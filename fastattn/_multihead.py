@@ -61,11 +61,12 @@ from ._validation import (
     as_array,
     canonical_matrix_stack,
     check_float_kind,
+    check_grad_array,
     result_dtypes,
 )
-from ._sdpa import _sdpa_canonical, scaled_dot_product_attention
+from ._sdpa import _grad_dtype, _sdpa_canonical, scaled_dot_product_attention, sdpa_backward
 
-__all__ = ["multi_head_attention"]
+__all__ = ["multi_head_attention", "multi_head_attention_backward"]
 
 
 def _install_runtime() -> bool:
@@ -565,6 +566,113 @@ def _forward(p: _Prepared):
     if not p.batched:
         w = w[0]
     return y, w
+
+
+# ------------------------------------------------------------------ backward
+
+def multi_head_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    *,
+    num_heads,
+    w_qkv=None,
+    b_qkv=None,
+    w_query=None,
+    w_key=None,
+    w_value=None,
+    b_query=None,
+    b_key=None,
+    b_value=None,
+    w_out,
+    b_out=None,
+    attn_mask=None,
+    key_mask=None,
+    is_causal=False,
+    num_kv_heads=None,
+    scale=None,
+    causal_alignment="top_left",
+    n_threads=None,
+):
+    """Gradients of :func:`multi_head_attention` with respect to its inputs and weights.
+
+    Takes the forward's arguments (no ``return_weights``) and ``grad_out``,
+    dL/d(output), of the output's shape.  The projections and the attention
+    are recomputed (the attention with its row log-sum-exp, O(L) memory),
+    then: the output projection's backward, the attention's
+    (:func:`fastattn.functional.sdpa_backward` on the head views: shared
+    key/value heads of grouped-query attention get the sum over their query
+    heads), and each input projection's.
+
+    Returns
+    -------
+    ``(dquery, dkey, dvalue, dweights)``: the gradients of the three inputs
+    (each the gradient through its own role: when one array was passed as
+    query, key and value, its gradient is the sum of the three) and a dict
+    with one entry per weight or bias that was given (``"w_qkv"``,
+    ``"b_qkv"`` or ``"w_query"`` ... ``"b_value"``, and ``"w_out"``,
+    ``"b_out"``), each in the shape and dtype of its argument.
+    """
+    p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
+                 b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
+                 False, True, num_kv_heads, scale, causal_alignment, n_threads)
+    B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
+    kvE = Hkv * dh
+    out_shape = (B, Lq, p.E_out) if p.batched else (Lq, p.E_out)
+    g = check_grad_array(grad_out, "grad_out", out_shape, cdt).astype(cdt, copy=False)
+    g = g.reshape(B * Lq, p.E_out)
+
+    # the forward again, keeping the attention's lse
+    q, k, v, mask, out_view, attn = _project_heads(p)
+    sc = 1.0 / math.sqrt(dh) if p.scale is None else float(p.scale)
+    _, lse = scaled_dot_product_attention(q, k, v, mask, p.is_causal, sc,
+                                          causal_alignment=p.causal_alignment, out=out_view,
+                                          n_threads=p.n_threads, return_lse=True)
+    attn2 = attn.reshape(B * Lq, E)
+
+    # output projection: y = attn W_out^T + b_out
+    d_attn = np.ascontiguousarray(g @ p.w_out)          # (B Lq, E)
+    grads = {"w_out": g.T @ attn2}
+    if p.b_out is not None:
+        grads["b_out"] = g.sum(axis=0)
+
+    # attention on the head views (their layout: strided views of d_attn)
+    d_ctx = d_attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    if Hkv != H:
+        d_ctx = d_ctx.reshape(B, Hkv, H // Hkv, Lq, dh)
+    dq_h, dk_h, dv_h = sdpa_backward(d_ctx, q, k, v, out_view, lse, mask, p.is_causal, sc,
+                                     causal_alignment=p.causal_alignment, n_threads=p.n_threads)
+
+    def merged(dh_, L, n):  # head gradients (B, n, L, dh) -> (B L, n dh) rows
+        return dh_.reshape(B, n, L, dh).transpose(0, 2, 1, 3).reshape(B * L, n * dh)
+
+    dQ, dK, dV = merged(dq_h, Lq, H), merged(dk_h, Lk, Hkv), merged(dv_h, Lk, Hkv)
+
+    # input projections: qb = x_q W_q^T + b_q, ...
+    xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
+    dxq, dxk, dxv = dQ @ p.w_q, dK @ p.w_k, dV @ p.w_v
+    dwq, dwk, dwv = dQ.T @ xq, dK.T @ xk, dV.T @ xv
+    if w_qkv is not None:
+        grads["w_qkv"] = np.concatenate([dwq, dwk, dwv], axis=0)
+        if b_qkv is not None:
+            grads["b_qkv"] = np.concatenate([dQ.sum(0), dK.sum(0), dV.sum(0)])
+    else:
+        grads.update(w_query=dwq, w_key=dwk, w_value=dwv)
+        for name, d, b in (("b_query", dQ, b_query), ("b_key", dK, b_key),
+                           ("b_value", dV, b_value)):
+            if b is not None:
+                grads[name] = d.sum(axis=0)
+
+    def back(dx, x, L):
+        dx = dx.reshape((B, L, -1) if p.batched else (L, -1))
+        return dx.astype(_grad_dtype(x, cdt), copy=False)
+
+    given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
+                 b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
+    dweights = {name: d.astype(_grad_dtype(given[name], cdt), copy=False)
+                for name, d in grads.items()}
+    return back(dxq, query, Lq), back(dxk, key, Lk), back(dxv, value, Lk), dweights
 
 
 # ------------------------------------------------------------ prepared weights

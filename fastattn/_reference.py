@@ -409,3 +409,72 @@ def attention_decoder(style, score_fn, emb, cell_mode, cell_params, out_W, out_b
             logits[b, t] = np.asarray(out_W, np.float64) @ top + np.asarray(out_b, np.float64)
             aligns[b, t] = a
     return logits, aligns
+
+
+# --- backward of multi-head attention
+
+def multi_head_attention_backward(grad_out, query, key, value, *, num_heads, w_query, w_key,
+                                  w_value, w_out, b_query=None, b_key=None, b_value=None,
+                                  b_out=None, attn_mask=None, key_mask=None, is_causal=False,
+                                  num_kv_heads=None, scale=None, causal_alignment="top_left"):
+    """(dquery, dkey, dvalue, {weight name: gradient}) of the float64
+    multi_head_attention above (separate weights), step by step: the output
+    projection's backward, the attention's (the dense SDPA backward of this
+    module, key/value heads repeated explicitly and their gradients summed
+    back over the repeats), the input projections'."""
+    f64 = np.float64
+    q_in, k_in, v_in, g = (np.asarray(a, dtype=f64) for a in (query, key, value, grad_out))
+    unbatched = q_in.ndim == 2
+    if unbatched:
+        q_in, k_in, v_in, g = q_in[None], k_in[None], v_in[None], g[None]
+    B, Lq, E = q_in.shape
+    Lk = k_in.shape[1]
+    H = num_heads
+    Hkv = H if num_kv_heads is None else num_kv_heads
+    dh, group = E // H, H // Hkv
+    W = {n: np.asarray(w, dtype=f64) for n, w in
+         (("w_query", w_query), ("w_key", w_key), ("w_value", w_value), ("w_out", w_out))}
+
+    def lin(x, w, b):
+        y = x @ w.T
+        return y if b is None else y + np.asarray(b, dtype=f64)
+
+    q = lin(q_in, W["w_query"], b_query).reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    k = lin(k_in, W["w_key"], b_key).reshape(B, Lk, Hkv, dh).transpose(0, 2, 1, 3)
+    v = lin(v_in, W["w_value"], b_value).reshape(B, Lk, Hkv, dh).transpose(0, 2, 1, 3)
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    mask = None
+    if attn_mask is not None:
+        mask = np.asarray(attn_mask)
+        if unbatched:
+            mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)[None]
+        if mask.dtype != np.bool_:
+            mask = mask.astype(f64)
+    if key_mask is not None:
+        km = np.asarray(key_mask, dtype=bool).reshape(B, 1, 1, Lk)
+        mask = km if mask is None else (mask & km if mask.dtype == np.bool_
+                                        else np.where(km, mask, -np.inf))
+    o = scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
+                                     causal_alignment=causal_alignment)
+    o2 = o.transpose(0, 2, 1, 3).reshape(B, Lq, E)
+    grads = {"w_out": np.einsum("blo,ble->oe", g, o2)}
+    if b_out is not None:
+        grads["b_out"] = g.sum(axis=(0, 1))
+    do = (g @ W["w_out"]).reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
+    dq, dk, dv, _ = scaled_dot_product_attention_backward(
+        do, q, k, v, mask, is_causal, scale, causal_alignment=causal_alignment)
+    dk = dk.reshape(B, Hkv, group, Lk, dh).sum(axis=2)
+    dv = dv.reshape(B, Hkv, group, Lk, dh).sum(axis=2)
+    dQ = dq.transpose(0, 2, 1, 3).reshape(B, Lq, E)
+    dK = dk.transpose(0, 2, 1, 3).reshape(B, Lk, Hkv * dh)
+    dV = dv.transpose(0, 2, 1, 3).reshape(B, Lk, Hkv * dh)
+    res = []
+    for name, d, x, b in (("query", dQ, q_in, b_query), ("key", dK, k_in, b_key),
+                          ("value", dV, v_in, b_value)):
+        res.append(d @ W["w_" + name])
+        grads["w_" + name] = np.einsum("bln,blc->nc", d, x)
+        if b is not None:
+            grads["b_" + name] = d.sum(axis=(0, 1))
+    if unbatched:
+        res = [r[0] for r in res]
+    return res[0], res[1], res[2], grads

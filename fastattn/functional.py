@@ -20,7 +20,7 @@ op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 """
 from ._attention import PreparedAttention, attention
 from ._linear import linear
-from ._multihead import multi_head_attention
+from ._multihead import multi_head_attention, multi_head_attention_backward
 from ._recurrence import rnn_cell, rnn_scan
 from ._sdpa import Plan, explain, scaled_dot_product_attention, sdpa_backward
 
@@ -36,6 +36,7 @@ __all__ = [
     "explain",
     "Plan",
     "multi_head_attention",
+    "multi_head_attention_backward",
     "attention",
     "PreparedAttention",
     "linear",
