@@ -16,13 +16,16 @@ attention) 0.27 -> 0.14.  benchmarks/test_bench_seq2seq.py has the model.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import _rnn, _threads
-from ._linear import _dtypes
-from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
+from ._linear import _dtypes, linear
+from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
+                          check_grad_array)
 
-__all__ = ["rnn_scan", "rnn_cell", "RNN_CELLS"]
+__all__ = ["rnn_scan", "rnn_scan_backward", "rnn_cell", "RNN_CELLS"]
 
 #: cell name -> number of gates
 RNN_CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
@@ -63,31 +66,25 @@ def _cell_state(c, name, cell, B, H, arrays):
     return c
 
 
-def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
-             return_outputs=True, n_threads=None):
-    """Run the recurrence of one RNN layer and direction over all time steps.
+class _ScanArgs(NamedTuple):
+    xw: np.ndarray
+    w: np.ndarray
+    b: object
+    h: np.ndarray
+    c: object
+    lens: object
+    B: int
+    T: int
+    H: int
+    GH: int
+    nt: int
+    ct: np.dtype
+    rdt: np.dtype
+    arrays: list
 
-    Parameters
-    ----------
-    xw : (B, T, G*H) float array
-        The input projections ``x W_ihᵀ + b_ih`` of every step (G gates: 1 for
-        ``"rnn_tanh"`` / ``"rnn_relu"``, 3 for ``"gru"`` (r, z, n), 4 for
-        ``"lstm"`` (i, f, g, o), torch's order).
-    w_hh : (G*H, H); b_hh : (G*H,) or None
-    h0 : (B, H) initial hidden state; c0 : (B, H) initial cell state (LSTM
-        only; zeros when omitted).
-    lengths : optional (B,) integers in [0, T]: a row's state stops changing
-        after its last real step and its outputs there are 0
-        (``pack_padded_sequence`` semantics; with ``reverse`` the row starts at
-        its last real step).
-    reverse : walk t = T-1 .. 0 (the backward direction of a bidirectional RNN).
-    return_outputs : False skips writing the (B, T, H) outputs.
 
-    Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
-    float32 when every float argument is float32, float64 otherwise (float16
-    arguments are computed in float32; all float16 gives float16 results).  Inputs
-    are never modified.  Equations: torch's (see csrc/fa_rnn.h).
-    """
+def _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads) -> _ScanArgs:
+    """rnn_scan's argument checks (shared with rnn_scan_backward)."""
     if not isinstance(cell, str) or cell not in RNN_CELLS:
         raise ValueError(f"cell: expected one of {sorted(RNN_CELLS)}, got {cell!r}")
     G = RNN_CELLS[cell]
@@ -131,6 +128,36 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     # before anything of the size of the outputs is allocated
     if B and T and H:
         _check_blas_sizes("xw", xw.shape, (("B", B), ("G * H", GH), ("H", H)))
+    return _ScanArgs(xw, w, b, h, c, lens, B, T, H, GH, nt, ct, rdt, arrays)
+
+
+def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
+             return_outputs=True, n_threads=None):
+    """Run the recurrence of one RNN layer and direction over all time steps.
+
+    Parameters
+    ----------
+    xw : (B, T, G*H) float array
+        The input projections ``x W_ihᵀ + b_ih`` of every step (G gates: 1 for
+        ``"rnn_tanh"`` / ``"rnn_relu"``, 3 for ``"gru"`` (r, z, n), 4 for
+        ``"lstm"`` (i, f, g, o), torch's order).
+    w_hh : (G*H, H); b_hh : (G*H,) or None
+    h0 : (B, H) initial hidden state; c0 : (B, H) initial cell state (LSTM
+        only; zeros when omitted).
+    lengths : optional (B,) integers in [0, T]: a row's state stops changing
+        after its last real step and its outputs there are 0
+        (``pack_padded_sequence`` semantics; with ``reverse`` the row starts at
+        its last real step).
+    reverse : walk t = T-1 .. 0 (the backward direction of a bidirectional RNN).
+    return_outputs : False skips writing the (B, T, H) outputs.
+
+    Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
+    float32 when every float argument is float32, float64 otherwise (float16
+    arguments are computed in float32; all float16 gives float16 results).  Inputs
+    are never modified.  Equations: torch's (see csrc/fa_rnn.h).
+    """
+    xw, w, b, h, c, lens, B, T, H, GH, nt, ct, rdt, _ = _scan_args(
+        xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -150,6 +177,163 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
     _ensure_runtime()
     _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
     return _as(out, rdt), _as(h, rdt), _as(c, rdt)
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) without exp's overflow (and its warning) for large -x."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, cell="gru",
+                      c0=None, grad_c_n=None, lengths=None, reverse=False, n_threads=None):
+    """Backpropagation through time of :func:`rnn_scan`.
+
+    Parameters
+    ----------
+    grad_outputs : (B, T, H) or None
+        dL/d(outputs) (None: the outputs were not used; padded steps' entries
+        are ignored, as those outputs are constant zeros).
+    grad_h_n : (B, H) or None
+        dL/d(h_T), the final hidden state (None: zeros).
+    xw, w_hh, b_hh, h0, cell, c0, lengths, reverse
+        The forward's arguments, unchanged.
+    outputs : (B, T, H)
+        The forward's outputs: the hidden state after each step, from which
+        every step's gates are recomputed with one product over all steps.
+    grad_c_n : (B, H) or None
+        dL/d(c_T) (LSTM only).
+
+    Returns
+    -------
+    ``(dxw, dw_hh, db_hh, dh0, dc0)``: the gradients of xw (B, T, G*H; zeros
+    at padded steps), w_hh, b_hh (None without b_hh), h0 and c0 (LSTM; None
+    otherwise), in their inputs' shapes and dtypes (non-float inputs: the
+    compute dtype).  The gates of every step are recomputed from ``outputs``
+    with one GEMM; the sequential ``dh`` recurrence then costs one
+    ``(B, G*H) x (G*H, H)`` product a step (a Python loop of fastattn
+    products and NumPy gate formulas for now: csrc/fa_rnn.c's forward loop has
+    no backward twin yet), and the weight gradients are one GEMM over all
+    steps, all in the compute dtype.  Deterministic: fixed summation order.
+    """
+    a = _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
+    G = RNN_CELLS[cell]
+    B, T, H, GH, ct = a.B, a.T, a.H, a.GH, a.ct
+    arrays = list(a.arrays)
+    o = _array(outputs, "outputs")
+    if o.shape != (B, T, H):
+        raise ValueError(f"outputs: expected shape {(B, T, H)} (the forward's outputs), got {o.shape}")
+    grads_in = {}
+    for name, g_, shape in (("grad_outputs", grad_outputs, (B, T, H)), ("grad_h_n", grad_h_n, (B, H)),
+                            ("grad_c_n", grad_c_n, (B, H))):
+        if g_ is None:
+            grads_in[name] = None
+            continue
+        if name == "grad_c_n" and cell != "lstm":
+            raise ValueError(f"grad_c_n: only an LSTM has a cell state (cell {cell!r})")
+        grads_in[name] = check_grad_array(g_, name, shape, ct).astype(ct, copy=False)
+    xwd = a.xw.astype(ct, copy=False)
+    W = np.ascontiguousarray(a.w, dtype=ct)
+    WT = np.ascontiguousarray(W.T)     # dh = dgates W: linear(dgates, W^T)
+    bh = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
+    h0d = a.h.astype(ct, copy=False)
+    lens = np.full(B, T, np.int64) if a.lens is None else a.lens
+    if B == 0 or T == 0 or H == 0:
+        lens = np.zeros(B, np.int64)   # no step runs: every gradient passes straight through
+    steps = np.arange(T)
+    active = steps[None, :] < lens[:, None]                                   # (B, T)
+    # the state before each step, in processing order
+    od = o.astype(ct, copy=False)
+    hprev = np.zeros((B, T, H), ct)
+    if T == 0:
+        pass
+    elif reverse:
+        hprev[:, :-1] = od[:, 1:]
+        last = np.clip(lens - 1, 0, None)
+        hprev[:, -1] = h0d
+        hprev[np.arange(B), last] = h0d       # a row starts at its last real step
+    else:
+        hprev[:, 1:] = od[:, :-1]
+        hprev[:, 0] = h0d
+    # every step's hidden products at once, on fastattn's pool (NumPy's threaded
+    # BLAS stalled each of these calls while another process held a core)
+    gh = linear(hprev, W, bh, n_threads=a.nt)
+    pre = xwd + gh if cell != "gru" else None
+    cs = None
+    if cell == "lstm":
+        ig, fg = _sigmoid(pre[..., :H]), _sigmoid(pre[..., H:2 * H])
+        gg, og = np.tanh(pre[..., 2 * H:3 * H]), _sigmoid(pre[..., 3 * H:])
+        c = np.zeros((B, H), ct) if a.c is None else a.c.astype(ct)
+        cprev = np.empty((B, T, H), ct)
+        cs = np.empty((B, T, H), ct)
+        for t in (range(T - 1, -1, -1) if reverse else range(T)):
+            act = active[:, t][:, None]
+            cprev[:, t] = c
+            cn = fg[:, t] * c + ig[:, t] * gg[:, t]
+            c = np.where(act, cn, c)
+            cs[:, t] = cn
+        tc = np.tanh(cs)
+    elif cell == "gru":
+        r = _sigmoid(xwd[..., :H] + gh[..., :H])
+        z = _sigmoid(xwd[..., H:2 * H] + gh[..., H:2 * H])
+        n = np.tanh(xwd[..., 2 * H:] + r * gh[..., 2 * H:])
+    else:
+        hn = np.maximum(pre, 0) if cell == "rnn_relu" else np.tanh(pre)
+
+    dxw = np.zeros((B, T, GH), ct)
+    dgh = np.zeros((B, T, GH), ct)
+    dh = np.zeros((B, H), ct) if grads_in["grad_h_n"] is None else grads_in["grad_h_n"].copy()
+    dc = None
+    if cell == "lstm":
+        dc = np.zeros((B, H), ct) if grads_in["grad_c_n"] is None else grads_in["grad_c_n"].copy()
+    go = grads_in["grad_outputs"]
+    for t in (range(T) if reverse else range(T - 1, -1, -1)):
+        act = active[:, t][:, None]
+        if not act.any():
+            continue
+        d = dh + go[:, t] if go is not None else dh
+        if cell == "gru":
+            rt, zt, nt_ = r[:, t], z[:, t], n[:, t]
+            dn = d * (1 - zt)
+            dz = d * (hprev[:, t] - nt_)
+            dan = dn * (1 - nt_ * nt_)
+            dar = dan * gh[:, t, 2 * H:] * rt * (1 - rt)
+            daz = dz * zt * (1 - zt)
+            di = np.concatenate([dar, daz, dan], axis=1)
+            dhh = np.concatenate([dar, daz, dan * rt], axis=1)
+            direct = d * zt
+        elif cell == "lstm":
+            it, ft, gt, ot, tct = ig[:, t], fg[:, t], gg[:, t], og[:, t], tc[:, t]
+            dct = dc + d * ot * (1 - tct * tct)
+            di = np.concatenate([dct * gt * it * (1 - it), dct * cprev[:, t] * ft * (1 - ft),
+                                 dct * it * (1 - gt * gt), d * tct * ot * (1 - ot)], axis=1)
+            dhh = di
+            direct = 0.0
+            dc = np.where(act, dct * ft, dc)
+        else:
+            ht = hn[:, t]
+            da = d * ((ht > 0) if cell == "rnn_relu" else (1 - ht * ht))
+            di = dhh = da
+            direct = 0.0
+        di = np.where(act, di, 0.0)
+        dhh = np.where(act, dhh, 0.0)
+        dxw[:, t] = di
+        dgh[:, t] = dhh
+        dh = np.where(act, direct + linear(dhh, WT, n_threads=a.nt), dh)
+    # dW_hh = sum over steps of dgates^T h_prev: one product over all B*T rows
+    dW = linear(np.ascontiguousarray(dgh.reshape(B * T, GH).T),
+                np.ascontiguousarray(hprev.reshape(B * T, H).T), n_threads=a.nt)
+    db = None if bh is None else dgh.sum(axis=(0, 1))
+
+    def back(g_, x):
+        return None if g_ is None else g_.astype(_grad_dtype(x, ct), copy=False)
+
+    return (back(dxw, xw), back(dW, w_hh), back(db, b_hh), back(dh, h0),
+            back(dc, c0 if c0 is not None else np.zeros(0, ct)) if cell == "lstm" else None)
+
+
+def _grad_dtype(x, ct):
+    dt = getattr(x, "dtype", None)
+    return dt if dt is not None and dt.kind == "f" and dt.itemsize <= 8 else ct
 
 
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):

@@ -478,3 +478,81 @@ def multi_head_attention_backward(grad_out, query, key, value, *, num_heads, w_q
     if unbatched:
         res = [r[0] for r in res]
     return res[0], res[1], res[2], grads
+
+
+# --- backward of the RNN recurrence (rnn_scan)
+
+def rnn_scan_backward(cell, grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, c0=None, grad_c_n=None,
+                      lengths=None, reverse=False, nonlinearity="tanh"):
+    """(dxw, dw_hh, db_hh, dh0, dc0) of one layer and direction of torch's
+    recurrence driven by given input projections xw (B, T, G*H), one sequence
+    at a time, one step at a time: the forward keeps every step's state and
+    gates, the backward walks the steps in the opposite order (cell: "RNN",
+    "GRU" or "LSTM"; padded steps, t >= lengths[b], neither change the state
+    nor get a gradient)."""
+    xw, W, h0 = (np.asarray(a, np.float64) for a in (xw, w_hh, h0))
+    B, T, GH = xw.shape
+    H = W.shape[1]
+    b = np.zeros(GH) if b_hh is None else np.asarray(b_hh, np.float64)
+    lengths = [T] * B if lengths is None else [int(n) for n in lengths]
+    dxw, dW, db = np.zeros_like(xw), np.zeros_like(W), np.zeros(GH)
+    dh0, dc0 = np.zeros((B, H)), np.zeros((B, H))
+    sig = _sig
+    for s in range(B):
+        order = list(range(lengths[s]))
+        if reverse:
+            order = order[::-1]
+        h = h0[s].copy()
+        c = np.zeros(H) if c0 is None else np.asarray(c0, np.float64)[s].copy()
+        tape = []
+        for t in order:
+            gh = W @ h + b
+            gi = xw[s, t]
+            if cell == "RNN":
+                a = gi + gh
+                hn = np.maximum(a, 0) if nonlinearity == "relu" else np.tanh(a)
+                tape.append((t, h, c, gh, hn))
+                h = hn
+            elif cell == "GRU":
+                r = sig(gi[:H] + gh[:H])
+                z = sig(gi[H:2 * H] + gh[H:2 * H])
+                n = np.tanh(gi[2 * H:] + r * gh[2 * H:])
+                tape.append((t, h, c, gh, (r, z, n)))
+                h = (1 - z) * n + z * h
+            else:
+                a = gi + gh
+                i, f, g, o = sig(a[:H]), sig(a[H:2 * H]), np.tanh(a[2 * H:3 * H]), sig(a[3 * H:])
+                cn = f * c + i * g
+                tape.append((t, h, c, gh, (i, f, g, o, cn)))
+                c, h = cn, o * np.tanh(cn)
+        dh = np.zeros(H) if grad_h_n is None else np.asarray(grad_h_n, np.float64)[s].copy()
+        dc = np.zeros(H) if grad_c_n is None else np.asarray(grad_c_n, np.float64)[s].copy()
+        for t, hp, cp, gh, st in reversed(tape):
+            if grad_outputs is not None:
+                dh = dh + np.asarray(grad_outputs, np.float64)[s, t]
+            if cell == "RNN":
+                da = dh * ((st > 0) if nonlinearity == "relu" else 1 - st ** 2)
+                dgi = dgh = da
+                dh_direct = 0
+            elif cell == "GRU":
+                r, z, n = st
+                dan = dh * (1 - z) * (1 - n ** 2)
+                daz = dh * (hp - n) * z * (1 - z)
+                dar = dan * gh[2 * H:] * r * (1 - r)
+                dgi = np.concatenate([dar, daz, dan])
+                dgh = np.concatenate([dar, daz, dan * r])
+                dh_direct = dh * z
+            else:
+                i, f, g, o, cn = st
+                tcn = np.tanh(cn)
+                dcn = dc + dh * o * (1 - tcn ** 2)
+                dgi = dgh = np.concatenate([dcn * g * i * (1 - i), dcn * cp * f * (1 - f),
+                                            dcn * i * (1 - g ** 2), dh * tcn * o * (1 - o)])
+                dc = dcn * f
+                dh_direct = 0
+            dxw[s, t] = dgi
+            dW += np.outer(dgh, hp)
+            db += dgh
+            dh = dh_direct + W.T @ dgh
+        dh0[s], dc0[s] = dh, dc
+    return dxw, dW, (None if b_hh is None else db), dh0, (dc0 if cell == "LSTM" else None)

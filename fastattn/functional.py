@@ -21,7 +21,7 @@ op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 from ._attention import PreparedAttention, attention
 from ._linear import linear
 from ._multihead import multi_head_attention, multi_head_attention_backward
-from ._recurrence import rnn_cell, rnn_scan
+from ._recurrence import rnn_cell, rnn_scan, rnn_scan_backward
 from ._sdpa import Plan, explain, scaled_dot_product_attention, sdpa_backward
 
 # For fastattn.layers.MultiHeadAttention (private): weights validated once, at
@@ -41,5 +41,6 @@ __all__ = [
     "PreparedAttention",
     "linear",
     "rnn_scan",
+    "rnn_scan_backward",
     "rnn_cell",
 ]

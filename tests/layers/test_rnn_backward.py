@@ -1,0 +1,175 @@
+"""fastattn.functional.rnn_scan_backward (backpropagation through time) against
+the float64 oracle (``fastattn._reference.rnn_scan_backward``, one sequence and
+one step at a time), torch.nn.RNN / GRU / LSTM autograd in float64 (packed
+sequences for ``lengths``, the reverse half of a bidirectional layer for
+``reverse``) and central finite differences.  Upstream gradients are random.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastattn import _reference as R
+from fastattn.functional import rnn_scan, rnn_scan_backward
+
+from support import assert_close, randn
+
+torch = pytest.importorskip("torch")
+
+CELLS = {"rnn_tanh": (1, "RNN", "tanh"), "rnn_relu": (1, "RNN", "relu"),
+         "gru": (3, "GRU", "tanh"), "lstm": (4, "LSTM", "tanh")}
+B, T, H = 3, 7, 5
+
+
+def case(rng, cell, dtype=np.float64, bias=True):
+    G = CELLS[cell][0]
+    xw = randn(rng, (B, T, G * H), dtype)
+    W = randn(rng, (G * H, H), dtype, 0.4)
+    b = randn(rng, (G * H,), dtype) if bias else None
+    h0 = randn(rng, (B, H), dtype)
+    c0 = randn(rng, (B, H), dtype) if cell == "lstm" else None
+    return xw, W, b, h0, c0
+
+
+@pytest.mark.parametrize("lengths", [None, [7, 3, 0], [1, 7, 5]], ids=["full", "ragged", "ragged2"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_matches_the_oracle(dtype, cell, reverse, lengths, rng):
+    xw, W, b, h0, c0 = case(rng, cell, dtype)
+    out, hn, cn = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths, reverse=reverse)
+    go, gh = randn(rng, (B, T, H), dtype), randn(rng, (B, H), dtype)
+    gc = randn(rng, (B, H), dtype) if cell == "lstm" else None
+    before = [a.copy() for a in (xw, W, b, h0, out, go, gh)]
+    got = rnn_scan_backward(go, gh, xw, W, b, h0, out, cell=cell, c0=c0, grad_c_n=gc,
+                            lengths=lengths, reverse=reverse)
+    _, mode, nl = CELLS[cell]
+    ref = R.rnn_scan_backward(mode, go, gh, xw, W, b, h0, c0, gc, lengths, reverse, nonlinearity=nl)
+    for name, a, r, inp in zip(("dxw", "dw_hh", "db_hh", "dh0", "dc0"), got, ref, (xw, W, b, h0, c0)):
+        if inp is None:
+            assert a is None and r is None, name
+            continue
+        assert a.shape == inp.shape and a.dtype == inp.dtype, name
+        assert_close(a, r, dtype, err_msg=name)
+    if lengths is not None:   # padded steps get no gradient
+        for s, n in enumerate(lengths):
+            assert np.all(got[0][s, n:] == 0)
+    for a, c in zip((xw, W, b, h0, out, go, gh), before):
+        np.testing.assert_array_equal(a, c)
+
+
+def _torch_layer(cell, bidirectional, In, seed=0):
+    cls = {"rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN, "gru": torch.nn.GRU,
+           "lstm": torch.nn.LSTM}[cell]
+    kw = {"nonlinearity": CELLS[cell][2]} if cell.startswith("rnn") else {}
+    torch.manual_seed(seed)
+    return cls(In, H, batch_first=True, bidirectional=bidirectional, **kw).double()
+
+
+@pytest.mark.parametrize("lengths", [None, [7, 3, 1]], ids=["full", "packed"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_float64_against_torch_autograd(cell, reverse, lengths, rng):
+    """The reverse direction is the reverse half of a bidirectional torch layer."""
+    In = 4
+    layer = _torch_layer(cell, reverse, In)
+    sfx = "_reverse" if reverse else ""
+    x = torch.tensor(randn(rng, (B, T, In)), requires_grad=True)
+    D = 2 if reverse else 1
+    h0 = torch.tensor(randn(rng, (D, B, H)), requires_grad=True)
+    state = (h0, torch.tensor(randn(rng, (D, B, H)), requires_grad=True)) if cell == "lstm" else h0
+    inp = x
+    if lengths is not None:
+        inp = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=True,
+                                                      enforce_sorted=False)
+    out, hn = layer(inp, state)
+    if lengths is not None:
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=T)
+    go = randn(rng, (B, T, D * H))
+    ghn = randn(rng, (D, B, H))
+    loss = (out * torch.tensor(go)).sum()
+    hn_, cn_ = (hn if cell == "lstm" else (hn, None))
+    loss = loss + (hn_ * torch.tensor(ghn)).sum()
+    gcn = None
+    if cell == "lstm":
+        gcn = randn(rng, (D, B, H))
+        loss = loss + (cn_ * torch.tensor(gcn)).sum()
+    loss.backward()
+
+    d = D - 1   # this direction's index in torch's stacked states and outputs
+    Wih = getattr(layer, "weight_ih_l0" + sfx).detach().numpy()
+    bih = getattr(layer, "bias_ih_l0" + sfx).detach().numpy()
+    Whh = getattr(layer, "weight_hh_l0" + sfx).detach().numpy()
+    bhh = getattr(layer, "bias_hh_l0" + sfx).detach().numpy()
+    xn = x.detach().numpy()
+    xw = xn @ Wih.T + bih
+    h0n = h0.detach().numpy()[d]
+    c0n = state[1].detach().numpy()[d] if cell == "lstm" else None
+    o, _, _ = rnn_scan(xw, Whh, bhh, h0n, cell=cell, c0=c0n, lengths=lengths, reverse=reverse)
+    np.testing.assert_allclose(o, out.detach().numpy()[..., d * H:(d + 1) * H], rtol=1e-10, atol=1e-12)
+    dxw, dW, db, dh0, dc0 = rnn_scan_backward(
+        go[..., d * H:(d + 1) * H], ghn[d], xw, Whh, bhh, h0n, o, cell=cell, c0=c0n,
+        grad_c_n=None if gcn is None else gcn[d], lengths=lengths, reverse=reverse)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dW, getattr(layer, "weight_hh_l0" + sfx).grad.numpy(), **tol)
+    np.testing.assert_allclose(db, getattr(layer, "bias_hh_l0" + sfx).grad.numpy(), **tol)
+    np.testing.assert_allclose(dxw.reshape(-1, dxw.shape[-1]).T @ xn.reshape(-1, In),
+                               getattr(layer, "weight_ih_l0" + sfx).grad.numpy(), **tol)
+    np.testing.assert_allclose(dxw.sum(axis=(0, 1)), getattr(layer, "bias_ih_l0" + sfx).grad.numpy(), **tol)
+    np.testing.assert_allclose(dh0, h0.grad.numpy()[d], **tol)
+    if cell == "lstm":
+        np.testing.assert_allclose(dc0, state[1].grad.numpy()[d], **tol)
+    if not reverse:   # x's gradient comes from this one direction only
+        np.testing.assert_allclose(dxw @ Wih, x.grad.numpy(), **tol)
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_central_finite_differences(cell, rng):
+    xw, W, b, h0, c0 = case(rng, cell)
+    lengths = [7, 4, 2]
+    go, gh = randn(rng, (B, T, H)), randn(rng, (B, H))
+
+    def loss(xw, W, b, h0):
+        o, hn, _ = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths)
+        return float(np.sum(o * go) + np.sum(hn * gh))
+
+    o, _, _ = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths)
+    grads = rnn_scan_backward(go, gh, xw, W, b, h0, o, cell=cell, c0=c0, lengths=lengths)
+    args = [xw, W, b, h0]
+    h = 1e-6
+    for k in range(4):
+        for idx in [tuple(rng.integers(0, n) for n in args[k].shape) for _ in range(3)]:
+            hi = [a.copy() for a in args]
+            lo = [a.copy() for a in args]
+            hi[k][idx] += h
+            lo[k][idx] -= h
+            fd = (loss(*hi) - loss(*lo)) / (2 * h)
+            np.testing.assert_allclose(grads[k][idx], fd, rtol=1e-6, atol=1e-8)
+
+
+def test_optional_gradients_dtypes_and_empty(rng):
+    xw, W, b, h0, c0 = case(rng, "gru", np.float32, bias=False)
+    o, _, _ = rnn_scan(xw, W, b, h0, cell="gru")
+    dxw, dW, db, dh0, dc0 = rnn_scan_backward(None, randn(rng, (B, H), np.float32), xw, W, b, h0, o,
+                                              cell="gru")
+    assert db is None and dc0 is None and dxw.dtype == np.float32
+    z = rnn_scan_backward(None, None, xw, W, b, h0, o, cell="gru")
+    assert all(np.all(a == 0) for a in z if a is not None)
+    e = rnn_scan_backward(None, None, xw[:, :0], W, b, h0, o[:, :0], cell="gru")
+    assert e[0].shape == (B, 0, 3 * H) and np.all(e[1] == 0)
+
+
+def test_bad_input_names_the_argument(rng):
+    xw, W, b, h0, c0 = case(rng, "lstm")
+    o, _, _ = rnn_scan(xw, W, b, h0, cell="lstm", c0=c0)
+    with pytest.raises(ValueError, match=r"outputs: expected shape \(3, 7, 5\)"):
+        rnn_scan_backward(None, None, xw, W, b, h0, o[:, :3], cell="lstm", c0=c0)
+    with pytest.raises(ValueError, match=r"grad_outputs: expected shape \(3, 7, 5\)"):
+        rnn_scan_backward(o[..., :2], None, xw, W, b, h0, o, cell="lstm", c0=c0)
+    with pytest.raises(TypeError, match="grad_h_n: expected a real floating array"):
+        rnn_scan_backward(None, np.zeros((B, H), int), xw, W, b, h0, o, cell="lstm", c0=c0)
+    with pytest.raises(ValueError, match="grad_c_n: only an LSTM has a cell state"):
+        rnn_scan_backward(None, None, xw[..., :15], W[:15], b[:15], h0, o, cell="gru",
+                          grad_c_n=h0)
+    with pytest.raises(ValueError, match="cell: expected one of"):
+        rnn_scan_backward(None, None, xw, W, b, h0, o, cell="transformer")
