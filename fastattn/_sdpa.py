@@ -513,6 +513,60 @@ def _bwd_groups(nbatch, nkb):
     return max(1, min(nkb, -(-BWD_MIN_TASKS // max(nbatch, 1)), _kernels.BWD_MAX_GROUPS))
 
 
+def _bwd_plan(p):
+    """(block_q, block_k, key groups, threads, own products) of the backward of a
+    prepared call with at least one row, key and value feature."""
+    nt = p.n_threads
+    if 10.0 * math.prod(p.batch) * p.Lq * p.Lk * (max(p.d, 1) + p.dv) < PARALLEL_MIN_FLOPS:
+        nt = 1
+    bq, bk = max(1, min(BWD_BLOCK_Q, p.Lq)), max(1, min(BWD_BLOCK_K, p.Lk))
+    ng = _bwd_groups(math.prod(p.batch), -(-p.Lk // bk))
+    return bq, bk, ng, nt, STREAM_OWN_PRODUCTS and _kernels.simd_active()
+
+
+class BackwardPlan(NamedTuple):
+    """How :func:`sdpa_backward` runs (see :func:`explain_backward`)."""
+
+    path: str           # "tiled" (FlashAttention-2 backward) or "empty"
+    products: str       # "packed" (the forward's own products) or "blas"
+    dtype: str
+    batch_shape: tuple
+    block_q: int
+    block_k: int
+    key_groups: int     # key-block groups per batch item (one task each)
+    n_threads: int
+    n_tasks: int
+    extra_bytes: int    # scratch beyond the gradients: D, dQ partials, per-thread tiles
+    reason: str
+
+
+def explain_backward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+                     causal_alignment="top_left", n_threads=None) -> BackwardPlan:
+    """Say how :func:`sdpa_backward` would run for these forward arguments
+    (validated the same way; nothing is computed)."""
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, False, causal_alignment, None,
+                 n_threads)
+    nb = math.prod(p.batch)
+    if not (nb * p.Lq and p.Lk and p.dv):
+        return BackwardPlan("empty", "none", p.cdt.name, p.batch, 0, 0, 0, 1, 0, 0,
+                            "every gradient is a sum of no terms: zeros")
+    bq, bk, ng, nt, own = _bwd_plan(p)
+    d = max(p.d, 1)
+    item = p.cdt.itemsize
+    tile = (2 * bq * bk + max(bq, bk) * max(d, p.dv) + (-(-bk // 16) * 16) * (d + p.dv)
+            + (-(-d // 16) * 16) * bk) * item + bk * (d + p.dv) * 8
+    extra = nb * p.Lq * 8 + (ng - 1) * nb * p.Lq * d * item + min(nt, nb * ng) * tile
+    ntasks = nb * ng
+    reason = (f"scores recomputed from lse in {bq} x {bk} tiles; {ng} key group(s) a batch item "
+              f"(at least {BWD_MIN_TASKS} tasks, from the shapes only: the same bits for any "
+              f"thread count); " + ("packed products, as the forward's streaming path"
+                                    if own else "BLAS products, as the forward without SIMD"))
+    if nt < p.n_threads:
+        reason += f"; {nt} thread(s): small problem"
+    return BackwardPlan("tiled", "packed" if own else "blas", p.cdt.name, p.batch, bq, bk, ng,
+                        nt, ntasks, extra, reason)
+
+
 def _grad_dtype(x, cdt):
     """A gradient's dtype: its input's when that is a float dtype, else the compute dtype."""
     dt = getattr(x, "dtype", None)
@@ -579,18 +633,13 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
             k = np.zeros(p.k.shape[:-1] + (1,), cdt)
             dq_k = np.empty(p.batch + (p.Lq, 1), cdt)
             dk_k = np.empty(p.batch + (p.Lk, 1), cdt)
-        nt = p.n_threads
-        if 10.0 * math.prod(p.batch) * p.Lq * p.Lk * (max(p.d, 1) + p.dv) < PARALLEL_MIN_FLOPS:
-            nt = 1
-        bq, bk = max(1, min(BWD_BLOCK_Q, p.Lq)), max(1, min(BWD_BLOCK_K, p.Lk))
-        ng = _bwd_groups(math.prod(p.batch), -(-p.Lk // bk))
+        bq, bk, ng, nt, own = _bwd_plan(p)
         delta = np.empty(nrows, np.float64)
         part = np.empty((ng - 1) * nrows * dq_k.shape[-1], cdt) if ng > 1 else None
         _threads.ensure_blas_hook()
         rc = _kernels.sdpa_backward(
             q, k, p.v, o, g, ls[..., None], p.mask, p.mask_kind, dq_k, dk_k, dv, dmask, delta,
-            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part,
-            STREAM_OWN_PRODUCTS and _kernels.simd_active())
+            p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part, own)
         if rc:
             _raise_status(rc)
     grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),

@@ -22,7 +22,8 @@ from ._attention import PreparedAttention, attention
 from ._linear import linear
 from ._multihead import multi_head_attention, multi_head_attention_backward
 from ._recurrence import rnn_cell, rnn_scan, rnn_scan_backward
-from ._sdpa import Plan, explain, scaled_dot_product_attention, sdpa_backward
+from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
+                    sdpa_backward)
 
 # For fastattn.layers.MultiHeadAttention (private): weights validated once, at
 # load time, then the prepared call.  Looked up here at call time by the layer.
@@ -33,6 +34,8 @@ from ._multihead import prepare_weights as _prepare_mha_weights  # noqa: F401
 __all__ = [
     "scaled_dot_product_attention",
     "sdpa_backward",
+    "explain_backward",
+    "BackwardPlan",
     "explain",
     "Plan",
     "multi_head_attention",

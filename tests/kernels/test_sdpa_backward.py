@@ -278,3 +278,22 @@ def test_tile_sizes_do_not_change_the_result_beyond_rounding(monkeypatch, rng):
     b = run(g, q, k, v, None, True)
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_explain_backward_reports_the_plan(rng, monkeypatch):
+    from fastattn.functional import explain_backward
+
+    q = randn(rng, (1, 1, 300, 32), np.float32)
+    plan = explain_backward(q, q, q, is_causal=True, n_threads=2)
+    assert plan.path == "tiled" and plan.block_q == plan.block_k == 128
+    assert plan.key_groups == 3 and plan.n_tasks == 3       # 1 item: up to 8 groups, 3 key blocks
+    assert plan.products == ("packed" if fastattn.simd_active() else "blas")
+    assert plan.extra_bytes > 300 * 8 and "lse" in plan.reason
+    many = explain_backward(randn(rng, (8, 4, 64, 16)), randn(rng, (8, 4, 64, 16)),
+                            randn(rng, (8, 4, 64, 16)))
+    assert many.key_groups == 1 and many.n_tasks == 32
+    assert explain_backward(q, q, q[..., :0]).path == "empty"
+    monkeypatch.setattr(_sdpa, "BWD_BLOCK_K", 64)
+    assert explain_backward(q, q, q).key_groups == 5
+    with pytest.raises(ValueError, match="causal_alignment"):
+        explain_backward(q, q, q, causal_alignment="x")
