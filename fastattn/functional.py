@@ -16,10 +16,11 @@ in the output and in the weights, on every path.
 
 This module is the public facade: it implements nothing and re-exports each
 op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
-``_linear``, ``_recurrence``; see ``docs/architecture.md``).
+``_linear``, ``_embedding``, ``_recurrence``; see ``docs/architecture.md``).
 """
 from ._attention import PreparedAttention, attention
-from ._linear import linear
+from ._embedding import embedding, embedding_backward
+from ._linear import linear, linear_backward
 from ._multihead import multi_head_attention
 from ._recurrence import rnn_cell, rnn_scan
 from ._sdpa import Plan, explain, scaled_dot_product_attention, sdpa_backward
@@ -39,6 +40,9 @@ __all__ = [
     "attention",
     "PreparedAttention",
     "linear",
+    "linear_backward",
+    "embedding",
+    "embedding_backward",
     "rnn_scan",
     "rnn_cell",
 ]
