@@ -1,4 +1,6 @@
-"""``linear(x, weight, bias=None)``: ``x Wᵀ + b``, the one GEMM door of the layers.
+"""``linear(x, weight, bias=None)``: ``x Wᵀ + b``, the one GEMM door of the layers,
+and its backward ``linear_backward`` (``dx``, ``dweight``, ``dbias``; products on
+:func:`fastattn._proj.matmul`, the same bits for any thread count).
 
 The RNN input and recurrent projections, Linear and the decoder's key
 projections all come through here.  Products run on the multi-head
@@ -52,7 +54,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _proj, _threads
-from ._validation import BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind
+from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
+                          check_grad_array, grad_dtype)
 
 #: rows up to which NumPy's matmul is used, by case (see the module docstring)
 NUMPY_MAX_ROWS_F32 = 1        # float32 with the AVX2 few-row kernel
@@ -67,7 +70,7 @@ PARALLEL_MIN_WEIGHTS = 131072
 #: kept for callers of the previous name: the float32 limit without the AVX2 kernel
 NUMPY_MAX_ROWS = NUMPY_MAX_ROWS_F32_BLAS
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_backward"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -108,20 +111,9 @@ def numpy_max_rows(dtype) -> int:
     return NUMPY_MAX_ROWS_F32 if _proj.small_kernel_active() else NUMPY_MAX_ROWS_F32_BLAS
 
 
-def linear(x, weight, bias=None, *, n_threads=None):
-    """``x @ weight.T + bias`` (torch's ``F.linear``).
-
-    x : array_like (..., in_features); weight : (out_features, in_features);
-    bias : (out_features,) or None.  float32 when every argument is float32
-    (or float16), float64 otherwise; float16 when every argument is float16
-    (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
-    never modified.  ``n_threads``: fastattn's thread count for products of
-    more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
-    float32 products of 64 rows or more (AVX2 on) pack ``weight`` for the
-    projection kernel on every call, into a scratch buffer kept per calling
-    thread (at most 16 MB; ``fastattn._proj.release_pack_buffer()`` frees
-    this thread's).
-    """
+def _check_args(x, weight, bias):
+    """linear's arguments checked: (x, weight, bias) as ndarrays (not copied,
+    bias None or its own dtype), the compute dtype and the result dtype."""
     x = x if isinstance(x, np.ndarray) else as_array(x, "x")
     w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
     check_float_kind(x, "x")
@@ -136,9 +128,26 @@ def linear(x, weight, bias=None, *, n_threads=None):
         check_float_kind(b, "bias")
         if b.shape != (w.shape[0],):
             raise ValueError(f"bias: expected shape ({w.shape[0]},), got {b.shape}")
+    return x, w, b, cdt, rdt
+
+
+def linear(x, weight, bias=None, *, n_threads=None):
+    """``x @ weight.T + bias`` (torch's ``F.linear``).
+
+    x : array_like (..., in_features); weight : (out_features, in_features);
+    bias : (out_features,) or None.  float32 when every argument is float32
+    (or float16), float64 otherwise; float16 when every argument is float16
+    (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
+    never modified.  ``n_threads``: fastattn's thread count for products of
+    more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
+    float32 products of 64 rows or more (AVX2 on) pack ``weight`` for the
+    projection kernel on every call, into a scratch buffer kept per calling
+    thread (at most 16 MB; ``fastattn._proj.release_pack_buffer()`` frees
+    this thread's).
+    """
+    x, w, b, cdt, rdt = _check_args(x, weight, bias)
+    if b is not None:
         b = np.ascontiguousarray(b, dtype=cdt)
-    else:
-        b = None
     nt = _threads.resolve(n_threads)
     xc = x.astype(cdt, copy=False)
     wc = w.astype(cdt, copy=False)
@@ -158,3 +167,91 @@ def linear(x, weight, bias=None, *, n_threads=None):
     _proj.linear(x3, canonical_matrix_stack(wc, cdt), b, y, nt)
     y = y.reshape(x.shape[:-1] + (N,))
     return y if rdt is cdt else y.astype(rdt)
+
+
+def _operand(a, cdt):
+    """A 2-d operand for :func:`fastattn._proj.matmul` as ``(buffer, transposed)``:
+    ``a`` in ``cdt`` with BLAS-addressable rows (not copied when it has them),
+    or the transpose of a transposed view (``W.T`` of a C-ordered array) with
+    ``transposed`` set, so that neither is copied."""
+    if (a.dtype == cdt and a.shape[0] > 1 and a.shape[1] > 1 and a.strides[1] != cdt.itemsize
+            and a.strides[0] == cdt.itemsize):
+        t = canonical_matrix_stack(a.T, cdt)
+        return t, True
+    return canonical_matrix_stack(a, cdt), False
+
+
+def _matmul(a, b, cdt, n_threads):
+    """``a (M, R) @ b (R, N)`` in ``cdt`` on :func:`fastattn._proj.matmul` (tiles
+    fixed by the shapes: the same bits for any thread count); transposed views
+    are read in place.  For the other backward ops' products."""
+    M, R = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0 or R == 0:
+        return np.zeros((M, N), cdt)
+    if max(M, N, R) > BLAS_INT_MAX:
+        return np.matmul(a.astype(cdt, copy=False), b.astype(cdt, copy=False))
+    _ensure_runtime()
+    aa, at = _operand(a, cdt)
+    bb, bt = _operand(b, cdt)
+    c = np.empty((M, N), cdt)
+    _proj.matmul(aa, at, bb, bt, c, n_threads)
+    return c
+
+
+def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
+    """Gradients of :func:`linear`: ``(dx, dweight, dbias)``.
+
+    grad_out : array_like (..., out_features), dL/d(output), the forward's
+    output shape; x, weight, bias : the forward's arguments, unchanged (checked
+    as :func:`linear` checks them).  With ``y = x Wᵀ + b``::
+
+        dx = grad_out W                      (the shape of x)
+        dweight = Σ grad_outᵀ x              (out_features, in_features)
+        dbias = Σ grad_out                   (out_features,); None without a bias
+
+    the sums over every leading dim of x: all rows together, one product.
+    Computed in :func:`linear`'s dtype (float32 when every argument is float32
+    or float16, float64 otherwise; grad_out is cast to it), each gradient
+    returned in its input's dtype (a non-float input gets the compute dtype);
+    dbias is summed in float64.  Inputs are never modified.
+
+    The products run on :func:`fastattn._proj.matmul` (fastattn's worker pool,
+    BLAS held at one thread, tiles fixed by the shapes), so the result is the
+    same, bit for bit, for any ``n_threads`` (default
+    :func:`fastattn.get_num_threads`).
+    """
+    x, w, b, cdt, _ = _check_args(x, weight, bias)
+    nt = _threads.resolve(n_threads)
+    N, K = w.shape
+    lead = x.shape[:-1]
+    g = check_grad_array(grad_out, "grad_out", lead + (N,), cdt)
+    rows = int(np.prod(lead))
+    g2 = g.reshape(rows, N)
+    x2 = x.reshape(rows, K)
+    ga, gt = None, False
+    if rows == 0 or N == 0 or K == 0:  # sums of nothing, or nothing to write
+        dx = np.zeros((rows, K), cdt)
+        dw = np.zeros((N, K), cdt)
+    elif max(rows, N, K) > BLAS_INT_MAX:  # beyond BLAS's 32-bit sizes: NumPy's matmul
+        ga = g2.astype(cdt, copy=False)
+        dx = np.matmul(ga, w.astype(cdt, copy=False))
+        dw = np.matmul(ga.T, x2.astype(cdt, copy=False))
+    else:
+        _ensure_runtime()
+        ga, gt = _operand(g2, cdt)
+        xa, xt = _operand(x2, cdt)
+        wa, wt = _operand(w, cdt)
+        dx = np.empty((rows, K), cdt)
+        dw = np.empty((N, K), cdt)
+        _proj.matmul(ga, gt, wa, wt, dx, nt)            # (rows, N) @ (N, K)
+        _proj.matmul(ga, not gt, xa, xt, dw, nt)        # (N, rows) @ (rows, K)
+    dx = dx.reshape(x.shape).astype(grad_dtype(x, cdt), copy=False)
+    dw = dw.astype(grad_dtype(w, cdt), copy=False)
+    db = None
+    if b is not None:
+        if ga is None:
+            ga = g2.astype(cdt, copy=False)
+        db = np.add.reduce(ga, axis=1 if gt else 0, dtype=np.float64)
+        db = db.astype(grad_dtype(b, cdt), copy=False)
+    return dx, dw, db

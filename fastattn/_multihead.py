@@ -55,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _proj, _threads
+from ._linear import linear_backward
 from ._masks import MASK_ADD, MASK_BOOL, kernel_mask
 from ._validation import (
     BLAS_INT_MAX,
@@ -62,9 +63,10 @@ from ._validation import (
     canonical_matrix_stack,
     check_float_kind,
     check_grad_array,
+    grad_dtype,
     result_dtypes,
 )
-from ._sdpa import _grad_dtype, _sdpa_canonical, scaled_dot_product_attention, sdpa_backward
+from ._sdpa import _sdpa_canonical, scaled_dot_product_attention, sdpa_backward
 
 __all__ = ["multi_head_attention", "multi_head_attention_backward"]
 
@@ -631,11 +633,14 @@ def multi_head_attention_backward(
                                           n_threads=p.n_threads, return_lse=True)
     attn2 = attn.reshape(B * Lq, E)
 
+    # every projection's backward is linear_backward's (products on fastattn's
+    # pool, tiles fixed by the shapes: the same bits for any thread count)
+    nt = p.n_threads
     # output projection: y = attn W_out^T + b_out
-    d_attn = np.ascontiguousarray(g @ p.w_out)          # (B Lq, E)
-    grads = {"w_out": g.T @ attn2}
+    d_attn, dwo, dbo = linear_backward(g, attn2, p.w_out, p.b_out, n_threads=nt)   # (B Lq, E)
+    grads = {"w_out": dwo}
     if p.b_out is not None:
-        grads["b_out"] = g.sum(axis=0)
+        grads["b_out"] = dbo
 
     # attention on the head views (their layout: strided views of d_attn)
     d_ctx = d_attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
@@ -651,26 +656,27 @@ def multi_head_attention_backward(
 
     # input projections: qb = x_q W_q^T + b_q, ...
     xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
-    dxq, dxk, dxv = dQ @ p.w_q, dK @ p.w_k, dV @ p.w_v
-    dwq, dwk, dwv = dQ.T @ xq, dK.T @ xk, dV.T @ xv
+    dxq, dwq, dbq = linear_backward(dQ, xq, p.w_q, p.b_q, n_threads=nt)
+    dxk, dwk, dbk = linear_backward(dK, xk, p.w_k, p.b_k, n_threads=nt)
+    dxv, dwv, dbv = linear_backward(dV, xv, p.w_v, p.b_v, n_threads=nt)
     if w_qkv is not None:
         grads["w_qkv"] = np.concatenate([dwq, dwk, dwv], axis=0)
         if b_qkv is not None:
-            grads["b_qkv"] = np.concatenate([dQ.sum(0), dK.sum(0), dV.sum(0)])
+            grads["b_qkv"] = np.concatenate([dbq, dbk, dbv])
     else:
         grads.update(w_query=dwq, w_key=dwk, w_value=dwv)
-        for name, d, b in (("b_query", dQ, b_query), ("b_key", dK, b_key),
-                           ("b_value", dV, b_value)):
+        for name, d, b in (("b_query", dbq, b_query), ("b_key", dbk, b_key),
+                           ("b_value", dbv, b_value)):
             if b is not None:
-                grads[name] = d.sum(axis=0)
+                grads[name] = d
 
     def back(dx, x, L):
         dx = dx.reshape((B, L, -1) if p.batched else (L, -1))
-        return dx.astype(_grad_dtype(x, cdt), copy=False)
+        return dx.astype(grad_dtype(x, cdt), copy=False)
 
     given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
                  b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
-    dweights = {name: d.astype(_grad_dtype(given[name], cdt), copy=False)
+    dweights = {name: d.astype(grad_dtype(given[name], cdt), copy=False)
                 for name, d in grads.items()}
     return back(dxq, query, Lq), back(dxk, key, Lk), back(dxv, value, Lk), dweights
 

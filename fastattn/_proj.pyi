@@ -1,6 +1,6 @@
 """Type stubs for the compiled projection kernels (fastattn/_proj.pyx).
 
-Private: fastattn._multihead is the only caller; it validates every argument.
+Private: fastattn._multihead and fastattn._linear call them; they validate every argument.
 """
 import numpy as np
 
@@ -19,3 +19,6 @@ def set_tuning(blocks_per_thread: int | None = ..., min_block_rows: int | None =
 def release_pack_buffer() -> None: ...
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray, n_threads: int,
            wp: np.ndarray | None = ...) -> int: ...
+def matmul_tiles(M: int, N: int, R: int) -> tuple[int, int]: ...
+def matmul(a: np.ndarray, trans_a: bool, b: np.ndarray, trans_b: bool, c: np.ndarray,
+           n_threads: int) -> int: ...

@@ -19,6 +19,10 @@ Prepacked float32 weights (a frozen layer's, :func:`pack_f32`): given to
 kernel instead (faster than both of the above at every row count measured),
 with the same blocking, threads and stop callback.
 
+``matmul`` (the backward's products, ``op(A) op(B)``) cuts its result into
+tiles whose sizes depend on the shapes only, so it gives the same bits for
+any thread count.
+
 Threads: the same regime as the attention kernel.  ``Y`` is cut into blocks
 (of rows, or of columns when there are few rows) that fastattn's worker pool
 hands out one at a time; each block is one single-threaded gemm, and BLAS is
@@ -106,6 +110,11 @@ cdef int g_packed_m = 2147483647
 # pack_max_elems floats) and use the packed kernel; 0 turns this off.
 cdef int64_t g_pack_min_rows = 64
 cdef int64_t g_pack_max_elems = 4 * 1024 * 1024
+# matmul's tile size (the backward's products; see matmul below).  A product's
+# bits depend on it: change it only for tuning sweeps, never between calls
+# whose results are compared.
+cdef int64_t g_mm_tile = 256
+DEF MM_MIN_TILE = 64
 # Below this many flops a call runs on the calling thread alone -- unless the
 # weights have PARALLEL_MIN_WEIGHTS elements or more: a few-row product reads
 # all of them once, from L3 or memory, and two cores read twice as fast (one
@@ -126,18 +135,21 @@ cdef int64_t g_packed_mc = FA_PROJ_PACKED_MC
 
 def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None,
                packed_m=None, packed_kc=None, packed_mc=None, pack_min_rows=None,
-               pack_max_elems=None):
+               pack_max_elems=None, mm_tile=None):
     """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict.
 
     ``packed_kc`` / ``packed_mc``: csrc/fa_proj.c's cache blocking of the
     packed kernel (0: no split); process-wide, set them only with no call running.
+    ``mm_tile``: :func:`matmul`'s tile size (at least 64; its results' bits depend on it).
     """
     global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m, g_packed_m
-    global g_packed_kc, g_packed_mc, g_pack_min_rows, g_pack_max_elems
+    global g_packed_kc, g_packed_mc, g_pack_min_rows, g_pack_max_elems, g_mm_tile
     prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
                 min_block_cols=g_min_block_cols, small_m=g_small_m, packed_m=g_packed_m,
                 packed_kc=g_packed_kc, packed_mc=g_packed_mc, pack_min_rows=g_pack_min_rows,
-                pack_max_elems=g_pack_max_elems)
+                pack_max_elems=g_pack_max_elems, mm_tile=g_mm_tile)
+    if mm_tile is not None:
+        g_mm_tile = max(MM_MIN_TILE, int(mm_tile))
     if pack_min_rows is not None:
         g_pack_min_rows = max(0, int(pack_min_rows))
     if pack_max_elems is not None:
@@ -480,4 +492,138 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
         raise RuntimeError(f"fastattn._proj: the {'packed' if c.packed else 'few-row'} kernel "
                            f"rejected its arguments "
                            f"(status {c.status}; M={c.M}, N={c.N}, K={c.K})")
+    return ntasks
+
+
+# ------------------------------------------------------------------ matmul
+# The backward's products (fastattn._linear.linear_backward): ``C = op(A) op(B)``
+# with op a transpose or not, cut into tiles whose sizes depend on the shapes
+# only -- never on the thread count -- each tile one single-threaded gemm over
+# the whole reduction (BLAS held at one thread, as in linear()).  Every element
+# of C is then computed by the same gemm call (same sizes, same leading
+# dimensions, same summation order) whichever thread runs it and however many
+# there are: the same bits for any n_threads.  Tiles of mm_tile x mm_tile
+# (set_tuning; 256: on this machine under load from other processes, 256 was
+# faster than 128 in most of a few timings at 4096-8192 rows, K, N 512-2048),
+# halved towards MM_MIN_TILE while one exceeds MAX_BLOCK_FLOPS, so the stop
+# callback is asked often enough; a product below PARALLEL_MIN_FLOPS is one tile.
+
+
+ctypedef struct mm_ctx:
+    int f32
+    char *a
+    char *b
+    char *c
+    int lda, ldb, ldc
+    int M, N, R
+    int ta, tb
+    int tm, tn, ntn
+    int64_t item
+
+
+cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef mm_ctx *p = <mm_ctx *>vctx
+    cdef int rb = <int>(t // p.ntn)
+    cdef int cb = <int>(t - <int64_t>rb * p.ntn)
+    cdef int r0 = rb * p.tm
+    cdef int c0 = cb * p.tn
+    cdef int m = p.M - r0
+    cdef int n = p.N - c0
+    cdef char tra = b'T' if p.tb else b'N'   # column-major: C^T = op(B)^T op(A)^T
+    cdef char trb = b'T' if p.ta else b'N'
+    cdef float one_f = 1, zero_f = 0
+    cdef double one_d = 1, zero_d = 0
+    if m > p.tm:
+        m = p.tm
+    if n > p.tn:
+        n = p.tn
+    if m <= 0 or n <= 0:
+        return
+    cdef int64_t it = p.item
+    # rows r0.. of op(A): rows of A, or columns of A when transposed; columns
+    # c0.. of op(B): columns of B, or rows of B when transposed
+    cdef char *a = p.a + (<int64_t>r0 if p.ta else <int64_t>r0 * p.lda) * it
+    cdef char *b = p.b + (<int64_t>c0 * p.ldb if p.tb else <int64_t>c0) * it
+    cdef char *c = p.c + (<int64_t>r0 * p.ldc + c0) * it
+    if p.f32:
+        sgemm(&tra, &trb, &n, &m, &p.R, &one_f, <float *>b, &p.ldb, <float *>a, &p.lda,
+              &zero_f, <float *>c, &p.ldc)
+    else:
+        dgemm(&tra, &trb, &n, &m, &p.R, &one_d, <double *>b, &p.ldb, <double *>a, &p.lda,
+              &zero_d, <double *>c, &p.ldc)
+
+
+def matmul_tiles(int64_t M, int64_t N, int64_t R):
+    """The tile size ``(tm, tn)`` :func:`matmul` cuts an (M, N) result with a
+    reduction of R into: a function of the shapes only."""
+    cdef int64_t tm = M if M < g_mm_tile else g_mm_tile
+    cdef int64_t tn = N if N < g_mm_tile else g_mm_tile
+    if 2.0 * M * N * R < PARALLEL_MIN_FLOPS:
+        return (max(M, 1), max(N, 1))
+    while 2.0 * tm * tn * R > MAX_BLOCK_FLOPS and (tm > MM_MIN_TILE or tn > MM_MIN_TILE):
+        if tm >= tn:
+            tm = (tm + 1) // 2
+        else:
+            tn = (tn + 1) // 2
+    return (max(tm, 1), max(tn, 1))
+
+
+def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray c,
+           int n_threads):
+    """``c = op(a) @ op(b)`` (op: ``.T`` when ``trans_*``), on up to ``n_threads`` threads,
+    with the same bits for any thread count (tiles of :func:`matmul_tiles`).
+
+    a: (M, R), or (R, M) when trans_a; b: (R, N), or (N, R) when trans_b;
+    c: (M, N).  2-D, one float dtype (float32 or float64), last axes
+    contiguous, row strides positive and at least a row long (a single row may
+    have any), sizes and strides within the BLAS 32-bit range; c does not
+    overlap a or b.  R = 0 sets c to zeros.  Returns the number of tiles (0 when
+    nothing was multiplied).  From the main thread, KeyboardInterrupt stops the
+    call between tiles and is raised here (``c`` is then partly written).
+    """
+    cdef mm_ctx p
+    cdef int64_t M = cnp.PyArray_DIMS(c)[0]
+    cdef int64_t N = cnp.PyArray_DIMS(c)[1]
+    cdef int64_t R = cnp.PyArray_DIMS(a)[0 if trans_a else 1]
+    if (cnp.PyArray_DIMS(a)[1 if trans_a else 0] != M
+            or cnp.PyArray_DIMS(b)[1 if trans_b else 0] != R
+            or cnp.PyArray_DIMS(b)[0 if trans_b else 1] != N
+            or cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(c)
+            or cnp.PyArray_TYPE(b) != cnp.PyArray_TYPE(c)):
+        raise ValueError("fastattn._proj.matmul: operands do not match")  # a caller's bug
+    if M == 0 or N == 0:
+        return 0
+    if R == 0:
+        c[...] = 0
+        return 0
+    tm, tn = matmul_tiles(M, N, R)
+    p.f32 = cnp.PyArray_TYPE(c) == cnp.NPY_FLOAT32
+    p.item = cnp.PyArray_ITEMSIZE(c)
+    p.a = <char *>cnp.PyArray_DATA(a)
+    p.b = <char *>cnp.PyArray_DATA(b)
+    p.c = <char *>cnp.PyArray_DATA(c)
+    p.lda = <int>_rows_ld(a, cnp.PyArray_DIMS(a)[1])
+    p.ldb = <int>_rows_ld(b, cnp.PyArray_DIMS(b)[1])
+    p.ldc = <int>_rows_ld(c, N)
+    p.M, p.N, p.R = <int>M, <int>N, <int>R
+    p.ta, p.tb = trans_a, trans_b
+    p.tm, p.tn = <int>tm, <int>tn
+    p.ntn = <int>((N + tn - 1) // tn)
+    cdef int64_t ntasks = ((M + tm - 1) // tm) * p.ntn
+    cdef int nt = n_threads if n_threads > 0 else 1
+    if g_rt.pool_run == NULL:
+        nt = 1
+    cdef int64_t t
+    cdef void *hook = NULL
+    cdef interrupt_state intr
+    cdef stop_fn stop = interrupt_arm(&intr, _main_ident)
+    with nogil:
+        hook = runtime_hold(&g_rt)
+        if (nt > 1 or stop != NULL) and ntasks > 1:
+            runtime_run(&g_rt, ntasks, nt, _mm_task, &p, stop, &intr)
+        else:
+            for t in range(ntasks):
+                _mm_task(&p, t, 0)
+        runtime_release(&g_rt, hook)
+    interrupt_raise(&intr)
     return ntasks

@@ -21,9 +21,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _rnn, _threads
-from ._linear import _dtypes, linear
+from ._linear import _dtypes, _matmul
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
-                          check_grad_array)
+                          check_grad_array, grad_dtype)
 
 __all__ = ["rnn_scan", "rnn_scan_backward", "rnn_cell", "RNN_CELLS"]
 
@@ -233,7 +233,6 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         grads_in[name] = check_grad_array(g_, name, shape, ct).astype(ct, copy=False)
     xwd = a.xw.astype(ct, copy=False)
     W = np.ascontiguousarray(a.w, dtype=ct)
-    WT = np.ascontiguousarray(W.T)     # dh = dgates W: linear(dgates, W^T)
     bh = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
     h0d = a.h.astype(ct, copy=False)
     lens = np.full(B, T, np.int64) if a.lens is None else a.lens
@@ -255,8 +254,11 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         hprev[:, 1:] = od[:, :-1]
         hprev[:, 0] = h0d
     # every step's hidden products at once, on fastattn's pool (NumPy's threaded
-    # BLAS stalled each of these calls while another process held a core)
-    gh = linear(hprev, W, bh, n_threads=a.nt)
+    # BLAS stalled each of these calls while another process held a core), in
+    # tiles fixed by the shapes: the same bits for any thread count
+    gh = _matmul(hprev.reshape(B * T, H), W.T, ct, a.nt).reshape(B, T, GH)
+    if bh is not None:
+        gh += bh
     pre = xwd + gh if cell != "gru" else None
     cs = None
     if cell == "lstm":
@@ -318,22 +320,16 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         dhh = np.where(act, dhh, 0.0)
         dxw[:, t] = di
         dgh[:, t] = dhh
-        dh = np.where(act, direct + linear(dhh, WT, n_threads=a.nt), dh)
+        dh = np.where(act, direct + _matmul(dhh, W, ct, a.nt), dh)
     # dW_hh = sum over steps of dgates^T h_prev: one product over all B*T rows
-    dW = linear(np.ascontiguousarray(dgh.reshape(B * T, GH).T),
-                np.ascontiguousarray(hprev.reshape(B * T, H).T), n_threads=a.nt)
+    dW = _matmul(dgh.reshape(B * T, GH).T, hprev.reshape(B * T, H), ct, a.nt)
     db = None if bh is None else dgh.sum(axis=(0, 1))
 
     def back(g_, x):
-        return None if g_ is None else g_.astype(_grad_dtype(x, ct), copy=False)
+        return None if g_ is None else g_.astype(grad_dtype(x, ct), copy=False)
 
     return (back(dxw, xw), back(dW, w_hh), back(db, b_hh), back(dh, h0),
             back(dc, c0 if c0 is not None else np.zeros(0, ct)) if cell == "lstm" else None)
-
-
-def _grad_dtype(x, ct):
-    dt = getattr(x, "dtype", None)
-    return dt if dt is not None and dt.kind == "f" and dt.itemsize <= 8 else ct
 
 
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):

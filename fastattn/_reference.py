@@ -556,3 +556,37 @@ def rnn_scan_backward(cell, grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, c0=None,
             dh = dh_direct + W.T @ dgh
         dh0[s], dc0[s] = dh, dc
     return dxw, dW, (None if b_hh is None else db), dh0, (dc0 if cell == "LSTM" else None)
+
+
+# --- backward of linear and embedding
+# y = x W^T + b and out = weight[ids], differentiated by hand from the dense
+# math, in float64: einsum over the rows for linear, a one-hot matrix for the
+# embedding (no scatter, no code shared with fastattn._linear / _embedding).
+
+def linear_backward(grad_out, x, weight, bias=None):
+    """(dx, dweight, dbias) of ``y = x W^T + b``, x (..., K), W (N, K):
+    dx = g W, dW = sum over the rows of g^T x, db = sum over the rows of g
+    (None without a bias)."""
+    g = np.asarray(grad_out, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    rows = int(np.prod(x.shape[:-1]))   # every leading dim: one axis of rows
+    g2 = g.reshape(rows, w.shape[0])
+    x2 = x.reshape(rows, w.shape[1])
+    dx = np.einsum("rn,nk->rk", g2, w).reshape(x.shape)
+    dw = np.einsum("rn,rk->nk", g2, x2)
+    db = None if bias is None else np.einsum("rn->n", g2)
+    return dx, dw, db
+
+
+def embedding_backward(grad_out, ids, num_embeddings, padding_idx=None):
+    """dweight (num_embeddings, E) of ``out = weight[ids]``: ``onehot(ids)^T g``
+    (each row the sum of the grad rows of its id), the padding_idx row zero."""
+    ids = np.asarray(ids).reshape(-1)
+    g = np.asarray(grad_out, dtype=np.float64)
+    g = g.reshape(ids.size, g.shape[-1])
+    onehot = (ids[:, None] == np.arange(num_embeddings)[None, :]).astype(np.float64)
+    dw = onehot.T @ g
+    if padding_idx is not None:
+        dw[padding_idx] = 0.0
+    return dw

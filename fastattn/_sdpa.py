@@ -22,6 +22,7 @@ from ._validation import (
     broadcast_batch,
     canonical_matrix_stack,
     check_grad_array,
+    grad_dtype,
     check_out,
     check_qkv,
     result_dtypes,
@@ -567,14 +568,6 @@ def explain_backward(query, key, value, attn_mask=None, is_causal=False, scale=N
                         nt, ntasks, extra, reason)
 
 
-def _grad_dtype(x, cdt):
-    """A gradient's dtype: its input's when that is a float dtype, else the compute dtype."""
-    dt = getattr(x, "dtype", None)
-    if dt is not None and dt.kind == "f" and dt.itemsize <= 8:
-        return dt
-    return cdt
-
-
 def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
                   scale=None, *, causal_alignment="top_left", mask_grad=False, n_threads=None):
     """Gradients of :func:`scaled_dot_product_attention` (FlashAttention-2).
@@ -642,9 +635,9 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
             p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part, own)
         if rc:
             _raise_status(rc)
-    grads = [sum_to_shape(dq, np.shape(p.q)).astype(_grad_dtype(query, cdt), copy=False),
-             sum_to_shape(dk, np.shape(p.k)).astype(_grad_dtype(key, cdt), copy=False),
-             sum_to_shape(dv, np.shape(p.v)).astype(_grad_dtype(value, cdt), copy=False)]
+    grads = [sum_to_shape(dq, np.shape(p.q)).astype(grad_dtype(query, cdt), copy=False),
+             sum_to_shape(dk, np.shape(p.k)).astype(grad_dtype(key, cdt), copy=False),
+             sum_to_shape(dv, np.shape(p.v)).astype(grad_dtype(value, cdt), copy=False)]
     if mask_grad:
         m = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
         grads.append(sum_to_shape(dmask, m.shape).astype(m.dtype, copy=False))

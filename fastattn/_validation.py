@@ -173,3 +173,12 @@ def check_grad_array(x, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if a.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
     return a
+
+
+def grad_dtype(x, cdt: np.dtype) -> np.dtype:
+    """A gradient's dtype: its input's when that is a float dtype (float16 to
+    float64), else the compute dtype (integer and bool inputs, lists)."""
+    dt = getattr(x, "dtype", None)
+    if dt is not None and dt.kind == "f" and dt.itemsize <= 8:
+        return dt
+    return cdt

@@ -16,10 +16,11 @@ in the output and in the weights, on every path.
 
 This module is the public facade: it implements nothing and re-exports each
 op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
-``_linear``, ``_recurrence``; see ``docs/architecture.md``).
+``_linear``, ``_embedding``, ``_recurrence``; see ``docs/architecture.md``).
 """
 from ._attention import PreparedAttention, attention
-from ._linear import linear
+from ._embedding import embedding, embedding_backward
+from ._linear import linear, linear_backward
 from ._multihead import multi_head_attention, multi_head_attention_backward
 from ._recurrence import rnn_cell, rnn_scan, rnn_scan_backward
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
@@ -43,6 +44,9 @@ __all__ = [
     "attention",
     "PreparedAttention",
     "linear",
+    "linear_backward",
+    "embedding",
+    "embedding_backward",
     "rnn_scan",
     "rnn_scan_backward",
     "rnn_cell",

@@ -29,7 +29,7 @@ LAYERS = [
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
-    ("ops", {"fastattn._sdpa", "fastattn._linear"}),
+    ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding"}),
     ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity"}),
     ("registry", {"fastattn.registry"}),
     ("ops3", {"fastattn._attention"}),

@@ -173,3 +173,20 @@ def test_bad_input_names_the_argument(rng):
                           grad_c_n=h0)
     with pytest.raises(ValueError, match="cell: expected one of"):
         rnn_scan_backward(None, None, xw, W, b, h0, o, cell="transformer")
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_same_bits_for_any_thread_count(cell, rng):
+    G = CELLS[cell][0]
+    xw = randn(rng, (8, 20, G * 64), np.float32)
+    W = randn(rng, (G * 64, 64), np.float32, 0.2)
+    b = randn(rng, (G * 64,), np.float32)
+    h0 = randn(rng, (8, 64), np.float32)
+    o, _, _ = rnn_scan(xw, W, b, h0, cell=cell, lengths=[20, 5, 9, 20, 1, 0, 13, 20])
+    go = randn(rng, (8, 20, 64), np.float32)
+    res = [rnn_scan_backward(go, None, xw, W, b, h0, o, cell=cell,
+                             lengths=[20, 5, 9, 20, 1, 0, 13, 20], n_threads=n) for n in (1, 2, 3)]
+    for other in res[1:]:
+        for a, c in zip(res[0], other):
+            if a is not None:
+                np.testing.assert_array_equal(a, c)

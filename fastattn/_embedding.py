@@ -1,0 +1,135 @@
+"""``embedding(ids, weight)``: the lookup ``weight[ids]``, and its backward.
+
+The backward is a scatter-add of the rows of ``grad_out`` into a zero
+``(num_embeddings, embedding_dim)`` gradient, with :func:`numpy.add.at` on
+flat element indices: it adds the contributions of repeated ids one after the
+other in the order the ids come (row-major over ``ids``), single-threaded, so
+a row's gradient is the same sequential sum on every call.  A sort-based
+reduction was the other candidate; ``np.add.reduceat`` over the sorted rows
+does not add a segment's rows in that sequential order (measured: not the same
+bits as a Python loop over the ids, where ``np.add.at`` is), and it copies
+every row once more.  The element-index form of ``np.add.at`` (one flat index
+per value, taken in chunks of rows) was 2-3x faster than ``np.add.at`` on row
+indices in a few timings on this machine (4096 ids x 256 float32: about 5 ms
+against 13 ms), with the same bits.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from ._validation import as_array, check_float_kind
+
+__all__ = ["embedding", "embedding_backward"]
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+#: values added per np.add.at call of the backward (bounds its index array)
+SCATTER_CHUNK = 1 << 16
+
+
+def _check_index(value, name, minimum):
+    """``value`` as an int (anything with ``__index__``, not a bool) >= ``minimum``,
+    with the messages of the layers' ``check_int``."""
+    what = f"an int >= {minimum}"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name}: expected {what}, got {n}")
+    return n
+
+
+def _check_padding_idx(padding_idx, n):
+    """``padding_idx`` in ``[-n, n)`` as an index in ``[0, n)`` (``Embedding``'s rule), or None."""
+    if padding_idx is None:
+        return None
+    p = _check_index(padding_idx, "padding_idx", -n)
+    if p >= n:
+        raise ValueError(f"padding_idx: expected an index in [0, {n}), got {p}")
+    return p % n
+
+
+def _check_ids(ids, n):
+    """``ids`` as an integer ndarray (not copied) with every value in ``[0, n)``."""
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"ids: expected an integer array of token ids, got dtype {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() >= n):
+        raise ValueError(f"ids: expected token ids in [0, {n}), got values in [{a.min()}, {a.max()}]")
+    return a
+
+
+def embedding(ids, weight, *, padding_idx=None):
+    """``weight[ids]`` (torch's ``F.embedding``): ids an integer array of any shape,
+    weight ``(num_embeddings, embedding_dim)`` -> ``ids.shape + (embedding_dim,)``,
+    a new array in weight's dtype.
+
+    ``padding_idx`` (an index in ``[-num_embeddings, num_embeddings)``) does not
+    change the lookup (the layer keeps that row at zero); it is checked here
+    and matters in :func:`embedding_backward`, where that row gets no gradient.
+    """
+    w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
+    check_float_kind(w, "weight")
+    if w.ndim != 2:
+        raise ValueError(
+            f"weight: expected a 2-d array (num_embeddings, embedding_dim), got shape {w.shape}")
+    n = w.shape[0]
+    _check_padding_idx(padding_idx, n)
+    return w[_check_ids(ids, n)]
+
+
+def embedding_backward(grad_out, ids, num_embeddings, *, padding_idx=None, dtype=None):
+    """The gradient of :func:`embedding` with respect to ``weight``:
+    ``dweight (num_embeddings, embedding_dim)``.
+
+    grad_out : array_like ``ids.shape + (embedding_dim,)``, dL/d(output), a
+    float array; ids, padding_idx : the forward's.  ``dweight[i]`` is the sum
+    of the rows of ``grad_out`` whose id is ``i`` (zeros for ids that do not
+    occur), added in the order of the ids (row-major), so the result is the
+    same on every call; the ``padding_idx`` row is zeros (torch's rule).
+    ``dtype``: dweight's dtype (the weight's; float16, float32 or float64),
+    default grad_out's.  Summed in float64 when grad_out or ``dtype`` is
+    float64, in float32 otherwise (float16 too).  Inputs are never modified.
+    """
+    n = _check_index(num_embeddings, "num_embeddings", 0)
+    pad = _check_padding_idx(padding_idx, n)
+    a = _check_ids(ids, n)
+    g = as_array(grad_out, "grad_out")
+    if g.dtype.kind != "f" or g.dtype.itemsize > 8:
+        raise TypeError(
+            f"grad_out: expected a real floating array (float16, float32 or float64), "
+            f"got dtype {g.dtype}")
+    if g.ndim != a.ndim + 1 or g.shape[:-1] != a.shape:
+        e = g.shape[-1] if g.ndim else "embedding_dim"
+        raise ValueError(f"grad_out: expected shape ids.shape + (embedding_dim,) = "
+                         f"{a.shape} + ({e},), got {g.shape}")
+    if dtype is None:
+        rdt = g.dtype
+    else:
+        try:
+            rdt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype: expected float16, float32 or float64, got {dtype!r}") from None
+        if rdt.kind != "f" or rdt.itemsize > 8:
+            raise TypeError(f"dtype: expected float16, float32 or float64, got {rdt}")
+    cdt = _F64 if _F64 in (g.dtype, rdt) else _F32
+    E = g.shape[-1]
+    dw = np.zeros((n, E), cdt)
+    rows = a.size
+    if rows and E:
+        flat_ids = a.reshape(rows)
+        g2 = g.reshape(rows, E)
+        cols = np.arange(E, dtype=np.intp)
+        step = max(1, SCATTER_CHUNK // E)
+        out = dw.reshape(n * E)
+        for r0 in range(0, rows, step):  # in row order: the sums stay sequential in id order
+            idx = flat_ids[r0:r0 + step].astype(np.intp, copy=False)[:, None] * E + cols
+            np.add.at(out, idx.reshape(-1), g2[r0:r0 + step].astype(cdt, copy=False).reshape(-1))
+    if pad is not None:
+        dw[pad] = 0
+    return dw.astype(rdt, copy=False)
