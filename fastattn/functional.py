@@ -18,7 +18,7 @@ This module is the public facade: it implements nothing and re-exports each
 op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 ``_linear``, ``_recurrence``; see ``docs/architecture.md``).
 """
-from ._attention import PreparedAttention, attention
+from ._attention import PreparedAttention, attention, attention_backward
 from ._linear import linear
 from ._multihead import multi_head_attention
 from ._recurrence import rnn_cell, rnn_scan
@@ -37,6 +37,7 @@ __all__ = [
     "Plan",
     "multi_head_attention",
     "attention",
+    "attention_backward",
     "PreparedAttention",
     "linear",
     "rnn_scan",
