@@ -15,6 +15,11 @@ Three ways a call runs (:func:`attention_path` says which one would):
   (query block x key tile) tiles inside a NumPy streaming softmax (running
   max and sum), so memory stays O(tile) unless weights are requested.
 
+Its backward, :func:`attention_backward`, runs SDPA's C backward for the
+``"sdpa"`` similarities (then the chain rule of their lowering) and a NumPy
+tiled backward for the others that have one (``additive``, ``concat``, a
+Python similarity with a ``score_backward``).
+
 Masks, causality (and its alignment), fully masked rows (zeros), weights,
 ``out=`` and dtypes behave exactly as in
 :func:`fastattn.scaled_dot_product_attention`; the validation is SDPA's own.
@@ -30,16 +35,19 @@ import math
 import numpy as np
 
 from . import _kernels, _masks, _sdpa, _threads, _validation
-from ._validation import as_array, canonical_matrix_stack, describe
+from ._validation import as_array, canonical_matrix_stack, check_grad_array, describe, sum_to_shape
 from .registry import get_similarity
-from .similarity import PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity, _fits
+from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity, Similarity,
+                         _additive_grads, _additive_tanh, _additive_tile_backward, _fits,
+                         _sum_rows_t)
 
 try:
     from . import _scores
 except ImportError:  # pragma: no cover - only while the extension is not built
     _scores = None
 
-__all__ = ["attention", "attention_path", "PreparedAttention", "SimilarityError"]
+__all__ = ["attention", "attention_backward", "attention_path", "PreparedAttention",
+           "SimilarityError"]
 
 # NumPy tiled path: scores of PY_BLOCK_Q x PY_BLOCK_K at a time (64 KiB in
 # float64).  Measured with tracemalloc at 1 x 1024 x 1024 keys, d = 64:
@@ -298,18 +306,11 @@ def _direct_out(c):
 
 
 _finish = _sdpa._finish
-
-
 def _run_sdpa(c):
     kind, q2, k2, scale = c.lowered
     p = c.p
     if kind == "project_sdpa":  # q2 is the matrix M of q2 := q M^T
-        M = q2
-        if _scores is not None:
-            _ensure_blas_hook()
-            q2 = _project(c.q, M, None, p.cdt, p.n_threads, pad=False)
-        else:  # pragma: no cover
-            q2 = np.matmul(c.q, M.T)
+        q2 = _project_queries(c, q2)
     direct = p.out is not None and p.rdt == p.cdt
     r = _sdpa.scaled_dot_product_attention(
         q2, k2, p.v, c.attn_mask, p.causal, scale, return_weights=p.want_weights,
@@ -320,6 +321,14 @@ def _run_sdpa(c):
     if not (p.want_weights or p.want_lse):
         return _finish(p, r, None)
     return _finish(p, r[0], r[1] if p.want_weights else None, r[-1] if p.want_lse else None)
+
+
+def _project_queries(c, M):
+    """The queries of a ``"project_sdpa"`` lowering, q M^T."""
+    if _scores is not None:
+        _ensure_blas_hook()
+        return _project(c.q, M, None, c.p.cdt, c.p.n_threads, pad=False)
+    return np.matmul(c.q, M.T)  # pragma: no cover
 
 
 # ------------------------------------------------------------- NumPy tiled
@@ -392,6 +401,13 @@ def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
         if p.mask_kind == _masks.MASK_BOOL and not mt.any():
             return None
     s = _score_tile(c.sim, Q[..., i0:i1, :], K[..., j0:j1, :], c.params, p.cdt)
+    _mask_tile(p, mt, s, i0, i1, j0, j1)
+    return s
+
+
+def _mask_tile(p, mt, s, i0, i1, j0, j1):
+    """Apply the mask tile ``mt`` (or None) and causality to the scores ``s`` of
+    queries [i0, i1) x keys [j0, j1), in place."""
     if mt is not None:
         if p.mask_kind == _masks.MASK_BOOL:
             s[~np.broadcast_to(mt, s.shape)] = -np.inf
@@ -402,7 +418,6 @@ def _tile_scores(c, Q, K, M, i0, i1, j0, j1):
         forbid = np.arange(j0, j1)[None, :] > lim
         if forbid.any():
             s[..., forbid] = -np.inf
-    return s
 
 
 def _pv_acc(p, v, acc, batch):
@@ -685,3 +700,367 @@ def _raise_kernel(rc, prc, sim, c=None):
             f"similarity {sim.name!r}: score returned NaN or +inf values (only -inf, "
             f"'may not attend', is allowed){hint}")
     raise RuntimeError(f"fastattn: kernel rejected its arguments (status {rc})")  # a bug
+
+
+# ------------------------------------------------------------------ backward
+
+# A lowered scale smaller than this: the backward runs SDPA's backward on the
+# queries times the scale (scale 1) instead of dividing dq by the scale to
+# get its gradient (exact at scale 0, no underflow near it).
+_SCALE_MIN = 2.0 ** -30
+# NumPy tiled backward: at most about this many elements in a (query block x
+# key tile [x d_a]) temporary (additive: tanh tiles of d_a values per pair).
+PY_BWD_TILE_ELEMS = 1 << 18
+
+
+def _definer(cls, name):
+    """(position in the MRO, class) of the class that defines ``name``."""
+    for i, k in enumerate(cls.__mro__):
+        if name in k.__dict__:
+            return i, k
+    return len(cls.__mro__), None
+
+
+def _has_lower_backward(sim) -> bool:
+    """The class that defines sim's ``_lower`` (a fast path) also defines its
+    ``_lower_backward`` (or a subclass of it does)."""
+    if isinstance(sim, CompiledSimilarity):
+        return False  # its forward never uses _lower
+    il, kl = _definer(type(sim), "_lower")
+    ib, kb = _definer(type(sim), "_lower_backward")
+    return kl not in (None, Similarity) and kb not in (None, Similarity) and ib <= il
+
+
+def _has_score_backward(sim) -> bool:
+    """sim has a NumPy ``score`` and a ``score_backward`` defined with it (by
+    the class that defines ``score`` or a subclass of it)."""
+    i_s, ks = _definer(type(sim), "score")
+    ib, kb = _definer(type(sim), "score_backward")
+    return ks not in (None, Similarity) and kb not in (None, Similarity) and ib <= i_s
+
+
+def _no_backward(sim):
+    if isinstance(sim, CompiledSimilarity):
+        why = "a compiled plugin's C scores have no gradient"
+    else:
+        why = "it defines no score_backward"
+    return NotImplementedError(
+        f"attention_backward: similarity {sim.name!r} has no backward ({why}); give it a "
+        "NumPy score and score_backward(query, key, params, grad_scores) -> (dq, dk, dparams) "
+        "(see fastattn.similarity.Similarity.score_backward)")
+
+
+def attention_backward(grad_out, query, key, value, similarity="dot", *, params=None, out, lse,
+                       attn_mask=None, is_causal=False, causal_alignment="top_left",
+                       n_threads=None):
+    """Gradients of :func:`attention`.
+
+    Parameters
+    ----------
+    grad_out : array_like (..., Lq, dv)
+        dL/d(output), the shape of the forward's output.
+    query, key, value, similarity, params, attn_mask, is_causal, causal_alignment
+        The forward's arguments, unchanged.
+    out, lse : array_like
+        What ``attention(..., return_lse=True)`` returned: the output (..., Lq,
+        dv) and its row log-sum-exp (..., Lq).  The scores are recomputed
+        tile by tile from them (``P = exp(S - lse)``), never an ``Lq x Lk``
+        matrix.
+    n_threads : int, optional
+        Threads for the SDPA backward (dot-like similarities); the NumPy tiled
+        backward runs on the calling thread.
+
+    Returns
+    -------
+    ``(dq, dk, dv, dparams)``: each array gradient in its input's shape
+    (dims that were broadcast are summed back) and dtype (a non-float input
+    gets the compute dtype); ``dparams`` a dict with the keys of the checked
+    ``params`` (defaults filled in included, e.g. ``general``'s ``scale``;
+    empty for ``dot``), each in its parameter's shape.  Rows with no allowed
+    key give zero gradients.
+
+    ``dot``, ``scaled_dot``, ``general`` and ``cosine`` run the C backward of
+    :func:`fastattn.functional.sdpa_backward` on the queries and keys their
+    forward lowered to (projected / normalised), then the chain rule;
+    ``additive``, ``concat`` and a Python similarity with a
+    :meth:`~fastattn.similarity.Similarity.score_backward` run a NumPy tiled
+    backward (``additive`` / ``concat`` project queries and keys once).  A
+    similarity without a backward (a compiled plugin, a Python similarity
+    without ``score_backward``) raises NotImplementedError before any work.
+    """
+    sim = get_similarity(similarity)
+    lowered_ok = _has_lower_backward(sim)
+    score_ok = _has_score_backward(sim)
+    if not (lowered_ok or score_ok):
+        raise _no_backward(sim)
+    c = _prepare(query, key, value, sim, params, attn_mask, is_causal, False, causal_alignment,
+                 None, n_threads)
+    p = c.p
+    cdt = p.cdt
+    osh = p.batch + (p.Lq, p.dv)
+    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh, cdt), cdt)
+    o = canonical_matrix_stack(check_grad_array(out, "out", osh, cdt), cdt)
+    ls = np.asarray(check_grad_array(lse, "lse", p.batch + (p.Lq,), cdt), dtype=cdt)
+    kind = c.lowered[0] if lowered_ok and c.lowered is not None else None
+    if kind in ("sdpa", "project_sdpa"):
+        dq, dk, dv, dparams = _backward_sdpa(c, g, o, ls)
+    elif kind == "additive":
+        dq, dk, dv, dparams = _backward_additive(c, g, o, ls)
+    elif score_ok:
+        dq, dk, dv, dparams = _backward_scores(c, g, o, ls)
+    else:  # a _lower_backward, but _lower gave no lowering this time
+        raise _no_backward(sim)
+    grads = (sum_to_shape(dq, c.q.shape).astype(_validation.grad_dtype(query, cdt), copy=False),
+             sum_to_shape(dk, c.k.shape).astype(_validation.grad_dtype(key, cdt), copy=False),
+             sum_to_shape(dv, p.v.shape).astype(_validation.grad_dtype(value, cdt), copy=False))
+    return grads + (_param_grads(c, params, dparams),)
+
+
+def _param_grads(c, params, dparams):
+    """dparams with the keys of the checked params, each in its parameter's
+    shape and dtype (the compute dtype for a non-float or defaulted one)."""
+    if not isinstance(c.params, dict):
+        return {}
+    raw = params if isinstance(params, dict) else {}
+    res = {}
+    for name, val in c.params.items():
+        shape = np.shape(val)
+        grad = dparams.get(name)
+        dt = _validation.grad_dtype(raw[name], c.p.cdt) if raw.get(name) is not None else c.p.cdt
+        if grad is None:
+            res[name] = np.zeros(shape, dt)
+        else:
+            res[name] = np.asarray(grad).astype(dt, copy=False).reshape(shape)
+    return res
+
+
+def _dot64(a, b) -> float:
+    """sum(a * b) in float64."""
+    return float(np.sum(np.multiply(a, b, dtype=np.float64)))
+
+
+def _backward_sdpa(c, g, o, ls):
+    """Dot-like similarities: SDPA's backward on the lowered queries and keys,
+    then the similarity's chain rule (its ``_lower_backward``).
+
+    With S = s q2 k2^T, sdpa_backward gives dq2 = s dS k2 and dk2 = s dS^T q2,
+    so ds = sum(dS o q2 k2^T) = sum(dq2 o q2) / s.  For |s| < _SCALE_MIN it
+    runs on q2' = s q2 with scale 1 instead (the same scores): dq2' = dS k2,
+    ds = sum(dq2' o q2), dq2 = s dq2'.  A ``"project_sdpa"`` lowering (q2 =
+    q M^T) adds dq = dq2 M and dM = sum over rows of dq2^T q."""
+    kind, q2, k2, scale = c.lowered
+    p = c.p
+    M = None
+    if kind == "project_sdpa":
+        M = q2
+        q2 = _project_queries(c, M)
+
+    def run(qq, sc):
+        return _sdpa.sdpa_backward(g, qq, k2, p.v, o, ls, c.attn_mask, p.causal, sc,
+                                   causal_alignment=c.causal_alignment, n_threads=p.n_threads)
+
+    if abs(scale) >= _SCALE_MIN:
+        dq2, dk2, dv = run(q2, scale)
+        dscale = _dot64(dq2, q2) / scale
+    else:
+        s = q2.dtype.type(scale)
+        dq1, dk2, dv = run(q2 * s, 1.0)
+        dscale = _dot64(dq1, q2)
+        dq2 = dq1 * s
+    grads = {"query": dq2, "key": dk2, "scale": dscale}
+    if M is not None:
+        grads["query"] = np.matmul(dq2, M)
+        grads["M"] = _sum_rows_t(dq2, c.q)
+    dq, dk, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)
+    return dq, dk, dv, dparams
+
+
+def _backward_additive(c, g, o, ls):
+    """``additive`` / ``concat``: the NumPy tiled backward over the projections
+    qp = q W_q^T + b and kp = k W_k^T (computed once, not per tile); the
+    weight gradients afterwards, as a few products over all rows."""
+    _, wq, wk, b, vvec = c.lowered
+    p = c.p
+    cdt = p.cdt
+    if _scores is not None:
+        _ensure_blas_hook()
+        qp = _project(c.q, wq, b, cdt, p.n_threads, pad=False)
+        kp = c.k if wk is None else _project(c.k, wk, None, cdt, p.n_threads, pad=False)
+    else:  # pragma: no cover - only while the extension is not built
+        qp = np.matmul(c.q, wq.T) + (0 if b is None else b)
+        kp = c.k if wk is None else np.matmul(c.k, wk.T)
+    tiles = _AdditiveTiles(p, qp, kp, vvec)
+    dv = _tiled_backward(c, g, o, ls, tiles)
+    dqp = sum_to_shape(tiles.dq, qp.shape)
+    dkp = sum_to_shape(tiles.dk, kp.shape)
+    grads = _additive_grads(c.q, c.k, wq, wk, dqp, dkp, tiles.dv.astype(cdt))
+    dq, dk, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)
+    return dq, dk, dv, dparams
+
+
+def _backward_scores(c, g, o, ls):
+    """A similarity's own ``score`` and ``score_backward`` on every tile."""
+    tiles = _ScoreTiles(c)
+    dv = _tiled_backward(c, g, o, ls, tiles)
+    return tiles.dq, tiles.dk, dv, tiles.dparams
+
+
+class _AdditiveTiles:
+    """Score tiles v . tanh(qp_i + kp_j) and their gradients w.r.t. qp, kp, v."""
+
+    def __init__(self, p, qp, kp, v):
+        self.width = max(qp.shape[-1], 1)
+        self.Q = np.broadcast_to(qp, p.batch + qp.shape[-2:])
+        self.K = np.broadcast_to(kp, p.batch + kp.shape[-2:])
+        self.dq = np.zeros(self.Q.shape, p.cdt)
+        self.dk = np.zeros(self.K.shape, p.cdt)
+        self.dv = np.zeros(v.shape, np.float64)
+        self.v = v
+        self.t = None
+
+    def chunk(self, ix):
+        self.Qc, self.Kc, self.dqc, self.dkc = self.Q[ix], self.K[ix], self.dq[ix], self.dk[ix]
+
+    def scores(self, i0, i1, j0, j1):
+        self.t = _additive_tanh(self.Qc[..., i0:i1, :], self.Kc[..., j0:j1, :])
+        return np.matmul(self.t, self.v)
+
+    def backward(self, i0, i1, j0, j1, ds):
+        dqp, dkp, dv = _additive_tile_backward(self.t, self.v, ds)
+        self.t = None
+        self.dqc[..., i0:i1, :] += dqp
+        self.dkc[..., j0:j1, :] += dkp
+        self.dv += dv
+
+
+class _ScoreTiles:
+    """A Python similarity's score tiles and its score_backward, checked."""
+
+    width = 1
+
+    def __init__(self, c):
+        p = c.p
+        self.c = c
+        self.Q = np.broadcast_to(c.q, p.batch + c.q.shape[-2:])
+        self.K = np.broadcast_to(c.k, p.batch + c.k.shape[-2:])
+        self.dq = np.zeros(self.Q.shape, p.cdt)
+        self.dk = np.zeros(self.K.shape, p.cdt)
+        self.shapes = ({n: np.shape(v) for n, v in c.params.items()}
+                       if isinstance(c.params, dict) else {})
+        self.dparams = {}
+
+    def chunk(self, ix):
+        self.Qc, self.Kc, self.dqc, self.dkc = self.Q[ix], self.K[ix], self.dq[ix], self.dk[ix]
+
+    def scores(self, i0, i1, j0, j1):
+        c = self.c
+        return _score_tile(c.sim, self.Qc[..., i0:i1, :], self.Kc[..., j0:j1, :], c.params,
+                           c.p.cdt)
+
+    def backward(self, i0, i1, j0, j1, ds):
+        c = self.c
+        name = c.sim.name
+        qt, kt = self.Qc[..., i0:i1, :], self.Kc[..., j0:j1, :]
+        try:
+            r = c.sim.score_backward(qt, kt, c.params, ds)
+        except Exception as exc:
+            raise SimilarityError(
+                f"similarity {name!r}: score_backward raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(r, (tuple, list)) or len(r) != 3:
+            raise TypeError(
+                f"similarity {name!r}: score_backward returned {describe(r)}, expected a "
+                "tuple (dq, dk, dparams)")
+        dq, dk, dp = r
+        for what, a, tile, acc in (("dq", dq, qt, self.dqc[..., i0:i1, :]),
+                                   ("dk", dk, kt, self.dkc[..., j0:j1, :])):
+            a = np.asarray(a)
+            if a.dtype.kind != "f":
+                raise TypeError(
+                    f"similarity {name!r}: score_backward returned {what} of dtype {a.dtype}, "
+                    "expected a real floating dtype")
+            if a.shape != tile.shape:
+                raise ValueError(
+                    f"similarity {name!r}: score_backward returned {what} of shape {a.shape}, "
+                    f"expected {tile.shape} (the {'query' if what == 'dq' else 'key'} tile's)")
+            acc += a
+        if dp is None:
+            return
+        if not isinstance(dp, dict):
+            raise TypeError(
+                f"similarity {name!r}: score_backward returned dparams {describe(dp)}, "
+                "expected a dict {parameter name: gradient}")
+        for pname, val in dp.items():
+            if pname not in self.shapes:
+                raise ValueError(
+                    f"similarity {name!r}: score_backward returned a gradient for {pname!r}, "
+                    f"which is not one of its params ({sorted(self.shapes)})")
+            a = np.asarray(val, dtype=np.float64)
+            if a.shape != self.shapes[pname]:
+                raise ValueError(
+                    f"similarity {name!r}: score_backward returned dparams[{pname!r}] of "
+                    f"shape {a.shape}, expected the parameter's shape {self.shapes[pname]}")
+            prev = self.dparams.get(pname)
+            self.dparams[pname] = a.copy() if prev is None else prev + a
+
+
+def _mm_acc(a, b, acc, batch):
+    """acc += a @ b over the batch (our products, not NumPy's multi-threaded
+    BLAS: see _pv_acc)."""
+    dt = acc.dtype
+    _pv_acc(canonical_matrix_stack(a, dt), canonical_matrix_stack(b, dt), acc, batch)
+
+
+def _tiled_backward(c, g, o, ls, tiles):
+    """FlashAttention-2's backward in NumPy, tile by tile: the masked scores S
+    recomputed by ``tiles``, P = exp(S - lse), dV += P^T dO, dP = dO V^T,
+    dS = P o (dP - D) with D = rowsum(dO o O), handed to ``tiles.backward``.
+    Returns dV (the broadcast batch shape); the rest is accumulated by
+    ``tiles``.  The batch runs in chunks so that a tile temporary holds about
+    PY_BWD_TILE_ELEMS elements at most (memory O(tile))."""
+    p = c.p
+    cdt = p.cdt
+    batch, Lq, Lk = p.batch, p.Lq, p.Lk
+    dV = np.zeros(batch + (Lk, p.dv), cdt)
+    if not (math.prod(batch) and Lq and Lk and p.dv):
+        return dV  # no output element depends on anything: zeros
+    V = np.broadcast_to(p.v, batch + p.v.shape[-2:])
+    M = None if p.mask is None else np.broadcast_to(p.mask, batch + (Lq, Lk))
+    bq = min(Lq, PY_BLOCK_Q)
+    bk = max(1, min(Lk, PY_BLOCK_K, PY_BWD_TILE_ELEMS // (bq * tiles.width)))
+    neg_inf = cdt.type(-np.inf)
+    for ix in _batch_chunks(batch, bq * bk * tiles.width):
+        tiles.chunk(ix)
+        Gc, Oc, Lc, Vc, dVc = g[ix], o[ix], ls[ix], V[ix], dV[ix]
+        Mc = None if M is None else M[ix]
+        cb = Gc.shape[:-2]
+        for i0 in range(0, Lq, bq):
+            i1 = min(Lq, i0 + bq)
+            kend = Lk
+            if p.causal:
+                kend = max(0, min(Lk, i1 + p.causal_offset))
+            li = Lc[..., i0:i1]
+            dead = li == neg_inf
+            if kend == 0 or dead.all():
+                continue
+            li = np.where(dead, cdt.type(np.inf), li)[..., None]  # their P: exp(-inf) = 0
+            Gi = Gc[..., i0:i1, :]
+            Di = np.sum(np.multiply(Gi, Oc[..., i0:i1, :], dtype=np.float64), axis=-1)
+            Di = Di.astype(cdt)[..., None]
+            for j0 in range(0, kend, bk):
+                j1 = min(kend, j0 + bk)
+                mt = None if Mc is None else Mc[..., i0:i1, j0:j1]
+                if mt is not None and p.mask_kind == _masks.MASK_BOOL and not mt.any():
+                    continue
+                P = tiles.scores(i0, i1, j0, j1)
+                _mask_tile(p, mt, P, i0, i1, j0, j1)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    P -= li
+                    np.exp(P, out=P)
+                _mm_acc(np.swapaxes(P, -1, -2), Gi, dVc[..., j0:j1, :], cb)
+                dS = np.zeros(P.shape, cdt)
+                _mm_acc(Gi, np.swapaxes(Vc[..., j0:j1, :], -1, -2), dS, cb)
+                dS -= Di
+                dS *= P
+                dS[P == 0] = 0  # masked pairs, empty rows: no gradient (not even NaN)
+                tiles.backward(i0, i1, j0, j1, dS)
+    return dV

@@ -590,3 +590,175 @@ def embedding_backward(grad_out, ids, num_embeddings, padding_idx=None):
     if padding_idx is not None:
         dw[padding_idx] = 0.0
     return dw
+
+
+# --- backward of attention with any similarity
+# Dense float64 gradients of `attention` above, from the full (..., Lq, Lk[,
+# d_a]) tensors.  Each score_*_vjp(q, k, ...) returns the scores S and a
+# function dS -> (dq, dk, {param: dparam}) written from the score's own
+# formula (dq, dk in the broadcast batch shape); attention_backward runs the
+# softmax backward around it.  They share no code with fastattn.similarity.
+
+def _esum(spec, *ops):
+    """np.einsum(spec, *ops) summed over the leading (broadcast) dims of its output."""
+    r = np.einsum(spec, *ops)
+    n = len(spec.split("->")[1]) - 3
+    return r.reshape((-1,) + r.shape[r.ndim - n:]).sum(axis=0) if n else r.sum()
+
+
+def _masked_scores(s, Lq, Lk, attn_mask, is_causal, causal_alignment):
+    allowed = np.ones(s.shape, dtype=bool)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        if m.dtype == np.bool_:
+            allowed = allowed & m
+        else:
+            s = s + m.astype(np.float64)
+    if is_causal:
+        off = 0 if causal_alignment == "top_left" else Lk - Lq
+        allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
+    s, allowed = np.broadcast_arrays(s, allowed)
+    return np.where(allowed, s, -np.inf)
+
+
+def attention_backward(grad_out, query, key, value, score_vjp, attn_mask=None, is_causal=False,
+                       *, causal_alignment="top_left"):
+    """(dq, dk, dv, dparams) of `attention` in float64.
+
+    score_vjp(q, k) -> (S, vjp) with vjp(dS) -> (dq, dk, dparams).  With
+    P = softmax(masked S): dV = P^T dO, dP = dO V^T,
+    dS = P o (dP - rowsum(P o dP)) (zero where P is), then the score's vjp;
+    every gradient summed back to its input's shape.
+    """
+    q, k, v, g = _f64(query, key, value, grad_out)
+    s, vjp = score_vjp(q, k)
+    s = np.asarray(s, dtype=np.float64)
+    p = softmax_rows(_masked_scores(s, q.shape[-2], k.shape[-2], attn_mask, is_causal,
+                                    causal_alignment))
+    dv = np.matmul(np.swapaxes(p, -1, -2), g)
+    dp = np.matmul(g, np.swapaxes(v, -1, -2))
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    ds = np.where(p > 0, ds, 0.0)
+    dq, dk, dparams = vjp(_reduce_to(ds, s.shape))  # a mask may add batch dims
+    return _reduce_to(dq, q.shape), _reduce_to(dk, k.shape), _reduce_to(dv, v.shape), dparams
+
+
+def score_dot_vjp(q, k, scale=1.0):
+    """S = scale q_i . k_j: dq = scale dS k, dk = scale dS^T q, dscale = sum(dS o q k^T)."""
+    q, k = _f64(q, k)
+    qk = np.einsum("...ic,...jc->...ij", q, k)
+
+    def vjp(ds):
+        return (scale * np.einsum("...ij,...jc->...ic", ds, k),
+                scale * np.einsum("...ij,...ic->...jc", ds, q),
+                {"scale": np.sum(ds * qk)})
+    return scale * qk, vjp
+
+
+def score_general_vjp(q, k, W, scale=1.0):
+    """S = scale q_i^T W k_j: dq = scale dS k W^T, dk = scale dS^T q W,
+    dW = scale sum_ij dS_ij q_i k_j^T, dscale = sum(dS o q W k^T)."""
+    q, k, W = _f64(q, k, W)
+    qwk = np.einsum("...ia,ab,...jb->...ij", q, W, k)
+
+    def vjp(ds):
+        return (scale * np.einsum("...ij,ab,...jb->...ia", ds, W, k),
+                scale * np.einsum("...ij,...ia,ab->...jb", ds, q, W),
+                {"W": scale * _esum("...ij,...ia,...jb->...ab", ds, q, k),
+                 "scale": np.sum(ds * qwk)})
+    return scale * qwk, vjp
+
+
+def score_additive_vjp(q, k, W_q, W_k, v, b=None, g=None):
+    """S = v' . tanh(h_ij), h_ij = W_q q_i + W_k k_j + b, v' = v (or g v / |v|
+    with g given).  With dh = dS v' (1 - tanh(h)^2): dq_i = sum_j W_q^T dh_ij,
+    dk_j = sum_i W_k^T dh_ij, dW_q = sum dh_ij q_i^T, dW_k = sum dh_ij k_j^T,
+    db = sum dh_ij, dv' = sum dS_ij tanh(h_ij); dv = J dv' with the Jacobian
+    J = g (I / |v| - v v^T / |v|^3), dg = v . dv' / |v|."""
+    q, k, W_q, W_k, v, b = _f64(q, k, W_q, W_k, v, b)
+    veff = v if g is None else float(g) * v / np.linalg.norm(v)
+    h = np.einsum("...ic,ac->...ia", q, W_q)[..., :, None, :] + \
+        np.einsum("...jc,ac->...ja", k, W_k)[..., None, :, :]
+    if b is not None:
+        h = h + b
+    t = np.tanh(h)
+
+    def vjp(ds):
+        dh = ds[..., None] * veff * (1.0 - t ** 2)
+        dveff = _esum("...ij,...ija->...a", ds, t)
+        grads = {"W_q": _esum("...ija,...ic->...ac", dh, q),
+                 "W_k": _esum("...ija,...jc->...ac", dh, k),
+                 "v": dveff}
+        if b is not None:
+            grads["b"] = dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+        if g is not None:
+            n = np.linalg.norm(v)
+            J = float(g) * (np.eye(v.shape[0]) / n - np.outer(v, v) / n ** 3)
+            grads["v"] = J @ dveff
+            grads["g"] = float(v @ dveff) / n
+        return (np.einsum("...ija,ac->...ic", dh, W_q), np.einsum("...ija,ac->...jc", dh, W_k),
+                grads)
+    return np.einsum("...ija,a->...ij", t, veff), vjp
+
+
+def score_concat_vjp(q, k, W, v, b=None):
+    """S = v . tanh(W [q_i; k_j] + b), by explicit concatenation c_ij = [q_i; k_j]:
+    dh = dS v (1 - tanh^2), dc_ij = W^T dh_ij, dq_i = sum_j dc_ij[:d_q],
+    dk_j = sum_i dc_ij[d_q:], dW = sum dh_ij c_ij^T, db = sum dh_ij, dv = sum dS tanh."""
+    q, k, W, v, b = _f64(q, k, W, v, b)
+    Lq, Lk, d_q = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    cat = np.concatenate([np.broadcast_to(q[..., :, None, :], batch + (Lq, Lk, d_q)),
+                          np.broadcast_to(k[..., None, :, :], batch + (Lq, Lk, k.shape[-1]))],
+                         axis=-1)
+    h = np.einsum("...ijc,ac->...ija", cat, W)
+    if b is not None:
+        h = h + b
+    t = np.tanh(h)
+
+    def vjp(ds):
+        dh = ds[..., None] * v * (1.0 - t ** 2)
+        dc = np.einsum("...ija,ac->...ijc", dh, W)
+        grads = {"W": _esum("...ija,...ijc->...ac", dh, cat),
+                 "v": _esum("...ij,...ija->...a", ds, t)}
+        if b is not None:
+            grads["b"] = dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+        return dc[..., :d_q].sum(axis=-2), dc[..., d_q:].sum(axis=-3), grads
+    return np.einsum("...ija,a->...ij", t, v), vjp
+
+
+def score_cosine_vjp(q, k, beta=1.0, eps=1e-12):
+    """S = beta c_ij / (n_i m_j), c = q k^T, n_i = max(|q_i|, eps), m_j = max(|k_j|, eps).
+    dc = beta dS / (n m); through the norms dn_i = -sum_j dS_ij S_ij / n_i and
+    d|q_i|/dq_i = q_i / |q_i| where |q_i| >= eps (else the norm is constant):
+    dq_i = sum_j dc_ij k_j + dn_i q_i / |q_i|; likewise dk; dbeta = sum(dS o c / (n m))."""
+    q, k = _f64(q, k)
+    rq, rk = np.linalg.norm(q, axis=-1), np.linalg.norm(k, axis=-1)
+    nq, nk = np.maximum(rq, eps), np.maximum(rk, eps)
+    cos = np.einsum("...ic,...jc->...ij", q, k) / (nq[..., :, None] * nk[..., None, :])
+    s = beta * cos
+
+    def vjp(ds):
+        dc = beta * ds / (nq[..., :, None] * nk[..., None, :])
+        dnq = -np.sum(ds * s, axis=-1) / nq
+        dnk = -np.sum(ds * s, axis=-2) / nk
+        with np.errstate(divide="ignore", invalid="ignore"):
+            uq = np.where((rq >= eps)[..., None], q / rq[..., None], 0.0)
+            uk = np.where((rk >= eps)[..., None], k / rk[..., None], 0.0)
+        dq = np.einsum("...ij,...jc->...ic", dc, k) + dnq[..., None] * uq
+        dk = np.einsum("...ij,...ic->...jc", dc, q) + dnk[..., None] * uk
+        return dq, dk, {"beta": np.sum(ds * cos)}
+    return s, vjp
+
+
+def score_neg_sq_dist_vjp(q, k, gamma=1.0):
+    """S = -gamma |q_i - k_j|^2: dq_i = -2 gamma sum_j dS_ij (q_i - k_j),
+    dk_j = 2 gamma sum_i dS_ij (q_i - k_j), dgamma = -sum dS_ij |q_i - k_j|^2."""
+    q, k = _f64(q, k)
+    diff = q[..., :, None, :] - k[..., None, :, :]
+    sq = np.sum(diff * diff, axis=-1)
+
+    def vjp(ds):
+        w = ds[..., None] * diff
+        return -2 * gamma * w.sum(axis=-2), 2 * gamma * w.sum(axis=-3), {"gamma": -np.sum(ds * sq)}
+    return -gamma * sq, vjp

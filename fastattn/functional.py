@@ -18,7 +18,7 @@ This module is the public facade: it implements nothing and re-exports each
 op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 ``_linear``, ``_embedding``, ``_recurrence``; see ``docs/architecture.md``).
 """
-from ._attention import PreparedAttention, attention
+from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._linear import linear, linear_backward
 from ._multihead import multi_head_attention, multi_head_attention_backward
@@ -42,6 +42,7 @@ __all__ = [
     "multi_head_attention",
     "multi_head_attention_backward",
     "attention",
+    "attention_backward",
     "PreparedAttention",
     "linear",
     "linear_backward",

@@ -26,7 +26,8 @@ norm, so its scores are 0, as ``torch.nn.functional.normalize`` does.)
 
 A user similarity subclasses :class:`Similarity` and implements
 :meth:`Similarity.score` in NumPy (it runs through a tiled streaming
-softmax, so memory stays O(tile)), or subclasses
+softmax, so memory stays O(tile); :meth:`Similarity.score_backward` gives
+it a backward for :func:`fastattn.functional.attention_backward`), or subclasses
 :class:`CompiledSimilarity` and hands over a C score-tile function in a
 ``PyCapsule`` (``csrc/fastattn_plugin.h``, ``fastattn/plugin.pxd``) that the
 C streaming loop calls with no Python call per tile.
@@ -41,6 +42,7 @@ import types
 import numpy as np
 
 from ._linear import linear
+from ._validation import sum_to_shape
 
 __all__ = [
     "Similarity",
@@ -130,7 +132,7 @@ class Similarity:
       parameter that has it, e.g. ``"d_a"``) and sums such as ``"d_q+d_k"``.
       ``None`` (the default for user plugins) means: no checking, ``params``
       is handed to :meth:`score` as given;
-    * :meth:`score`.
+    * :meth:`score`, and optionally :meth:`score_backward` (its gradients).
 
     Constructor keyword arguments should be stored as attributes of the same
     name so that :meth:`get_config` / :meth:`from_config` round-trip them
@@ -178,6 +180,23 @@ class Similarity:
         """
         raise NotImplementedError(
             f"{type(self).__qualname__}.score is not implemented")
+
+    def score_backward(self, query, key, params, grad_scores):
+        """Optional: the gradients of a score tile, for
+        :func:`fastattn.functional.attention_backward`.
+
+        ``query``, ``key`` and ``params`` are what :meth:`score` got for this
+        tile; ``grad_scores`` (..., tq, tk) is dL/d(scores) in the compute
+        dtype (exactly 0 where a pair may not attend).  Returns ``(dq, dk,
+        dparams)``: dq (..., tq, d_q) and dk (..., tk, d_k) with the tiles'
+        leading dims, and a dict ``{param name: gradient summed over the
+        tile}`` in each parameter's shape (a parameter left out gets zeros).
+        The backward calls it once per recomputed score tile and adds the
+        results up.  Without it (the default raises NotImplementedError) the
+        similarity has no backward.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__}.score_backward is not implemented")
 
     # ---------------------------------------------------------- parameters
     def check_params(self, params, d_q, d_k, dtype):
@@ -338,6 +357,20 @@ class Similarity:
         v)`` (the fused C additive kernel) or None (tiled NumPy path)."""
         return None
 
+    def _lower_backward(self, query, key, params, grads):
+        """The chain rule back through :meth:`_lower` (defined by the class that
+        defines ``_lower``; :func:`fastattn.functional.attention_backward`
+        uses a lowering only then).  ``grads`` holds the gradients of what the
+        lowered call computed with: for ``"sdpa"`` ``{"query", "key",
+        "scale"}`` (w.r.t. q2, k2 and the scale); for ``"project_sdpa"``
+        ``{"query", "M", "key", "scale"}`` (query: w.r.t. the original
+        queries, already through q M^T); for ``"additive"`` ``{"query",
+        "key", "W_q", "W_k", "b", "v"}`` (key: w.r.t. the keys the kernel
+        read, W_k None when it projected none).  Returns ``(dq, dk,
+        dparams)``, dparams with the keys of the checked ``params``."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__}._lower_backward is not implemented")
+
 
 class CompiledSimilarity(Similarity):
     """A similarity whose score tiles come from C (see ``csrc/fastattn_plugin.h``).
@@ -371,6 +404,73 @@ def _matmul_t(x, w):
     return np.matmul(x, w.T)
 
 
+# ---------------------------------------------- pieces of the backward
+
+def _rows(a):
+    """a as a 2-D (rows, features) array (a view when it can be)."""
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
+
+
+def _sum_rows_t(a, x):
+    """sum over every row r (all leading dims) of the outer product a_r x_r^T:
+    (n_a, n_x), the gradient of a linear map y = x M^T from dy = a."""
+    return np.matmul(_rows(a).T, _rows(x))
+
+
+def _additive_tanh(qp, kp):
+    """tanh(qp_i + kp_j) for a query tile (..., tq, d_a) and a key tile
+    (..., tk, d_a): (..., tq, tk, d_a)."""
+    return np.tanh(qp[..., :, None, :] + kp[..., None, :, :])
+
+
+def _additive_tile_backward(t, v, grad_scores):
+    """``(dqp, dkp, dv)`` of the scores s_ij = v . t_ij with t = tanh(qp_i + kp_j)
+    (``t`` from :func:`_additive_tanh`), given dL/ds (..., tq, tk):
+    dh = ds_ij v (1 - t_ij^2), dqp_i = sum_j dh_ij, dkp_j = sum_i dh_ij,
+    dv = sum_ij ds_ij t_ij."""
+    dh = np.multiply(t, t)
+    np.subtract(1, dh, out=dh)
+    dh *= v
+    dh *= grad_scores[..., None]
+    g = np.ascontiguousarray(np.broadcast_to(grad_scores, t.shape[:-1]), dtype=t.dtype).reshape(-1)
+    dv = np.matmul(g, t.reshape(g.shape[0], t.shape[-1]))
+    return dh.sum(axis=-2), dh.sum(axis=-3), dv
+
+
+def _additive_grads(query, key, wq, wk, dqp, dkp, dv):
+    """The ``"additive"`` lowering's gradients (see :meth:`Similarity._lower_backward`)
+    from those of the projections qp = q W_q^T + b and kp = k W_k^T (or of the
+    keys themselves when ``wk`` is None), with the shapes of query and key."""
+    return {
+        "query": np.matmul(dqp, wq),
+        "key": dkp if wk is None else np.matmul(dkp, wk),
+        "W_q": _sum_rows_t(dqp, query),
+        "W_k": None if wk is None else _sum_rows_t(dkp, key),
+        "b": _rows(dqp).sum(axis=0, dtype=np.float64).astype(dqp.dtype),
+        "v": dv,
+    }
+
+
+def _weight_norm_backward(v, g, dv_eff):
+    """(dv, dg) of v_eff = g v / ||v|| from dL/dv_eff: with u = v / ||v||,
+    dg = u . dv_eff and dv = (g / ||v||) (dv_eff - u (u . dv_eff)).  At v = 0
+    (where v_eff is 0 for every g) both are 0."""
+    v64 = np.asarray(v, dtype=np.float64)
+    d64 = np.asarray(dv_eff, dtype=np.float64)
+    nrm = math.sqrt(float(np.sum(np.square(v64))))
+    if nrm > 0:
+        u = v64 / nrm
+        dg = float(u @ d64)
+        dv = (float(g) / nrm) * (d64 - u * dg)
+    else:
+        dv, dg = np.zeros_like(v64), 0.0
+    return dv.astype(np.asarray(v).dtype), np.asarray(dg, dtype=np.asarray(v).dtype)
+
+
+def _scalar(x, like):
+    return np.asarray(x, dtype=np.asarray(like).dtype)
+
+
 class DotSimilarity(Similarity):
     """``q . k`` (no scaling)."""
 
@@ -383,6 +483,9 @@ class DotSimilarity(Similarity):
 
     def _lower(self, query, key, params):
         return ("sdpa", query, key, 1.0)
+
+    def _lower_backward(self, query, key, params, grads):
+        return grads["query"], grads["key"], {}
 
 
 class ScaledDotSimilarity(Similarity):
@@ -406,6 +509,10 @@ class ScaledDotSimilarity(Similarity):
     def _lower(self, query, key, params):
         return ("sdpa", query, key, self._scale(query, params))
 
+    def _lower_backward(self, query, key, params, grads):
+        dp = {"scale": _scalar(grads["scale"], params["scale"])} if "scale" in params else {}
+        return grads["query"], grads["key"], dp
+
 
 class GeneralSimilarity(Similarity):
     """Luong "general": ``scale * q^T W k`` with W (d_q, d_k)."""
@@ -428,6 +535,12 @@ class GeneralSimilarity(Similarity):
         # q^T W k = (q W) . k: project the queries once (q W = q (W^T)^T, by
         # fastattn's single-thread-per-task gemm), then the dot kernel
         return ("project_sdpa", np.ascontiguousarray(params["W"].T), key, float(params["scale"]))
+
+    def _lower_backward(self, query, key, params, grads):
+        # M = W^T, so dW = dM^T
+        return grads["query"], grads["key"], {
+            "W": np.ascontiguousarray(grads["M"].T),
+            "scale": _scalar(grads["scale"], params["scale"])}
 
 
 class AdditiveSimilarity(Similarity):
@@ -492,6 +605,27 @@ class AdditiveSimilarity(Similarity):
         wq, wk, b, v = self._weights(params)
         return ("additive", wq, wk, b, v)
 
+    def _lower_backward(self, query, key, params, grads):
+        dp = {"W_q": grads["W_q"], "W_k": grads["W_k"], "v": grads["v"]}
+        if "b" in params:
+            dp["b"] = grads["b"]
+        if self.normalize:
+            dp["v"], dp["g"] = _weight_norm_backward(params["v"], params["g"], grads["v"])
+        return grads["query"], grads["key"], dp
+
+    def score_backward(self, query, key, params, grad_scores):
+        """Gradients of a tile of :meth:`score` (see :meth:`Similarity.score_backward`);
+        with ``normalize=True`` through v_eff = g v / ||v|| (0 for v and g at v = 0)."""
+        wq, wk, b, v = self._weights(params)
+        qp = _matmul_t(query, wq)
+        if b is not None:
+            qp = qp + b
+        kp = _matmul_t(key, wk)
+        dqp, dkp, dv = _additive_tile_backward(_additive_tanh(qp, kp), v, grad_scores)
+        dqp, dkp = sum_to_shape(dqp, qp.shape), sum_to_shape(dkp, kp.shape)
+        return self._lower_backward(query, key, params,
+                                    _additive_grads(query, key, wq, wk, dqp, dkp, dv))
+
 
 class ConcatSimilarity(Similarity):
     """Luong "concat": ``v . tanh(W [q; k] + b)``, W (d_a, d_q + d_k).
@@ -533,6 +667,24 @@ class ConcatSimilarity(Similarity):
         wq, wk = self._split(query, params)
         return ("additive", wq, wk, params.get("b"), params["v"])
 
+    def _lower_backward(self, query, key, params, grads):
+        dp = {"W": np.concatenate([grads["W_q"], grads["W_k"]], axis=1), "v": grads["v"]}
+        if "b" in params:
+            dp["b"] = grads["b"]
+        return grads["query"], grads["key"], dp
+
+    def score_backward(self, query, key, params, grad_scores):
+        """Gradients of a tile of :meth:`score` (see :meth:`Similarity.score_backward`)."""
+        wq, wk = self._split(query, params)
+        qp = _matmul_t(query, wq)
+        if "b" in params:
+            qp = qp + params["b"]
+        kp = _matmul_t(key, wk)
+        dqp, dkp, dv = _additive_tile_backward(_additive_tanh(qp, kp), params["v"], grad_scores)
+        dqp, dkp = sum_to_shape(dqp, qp.shape), sum_to_shape(dkp, kp.shape)
+        return self._lower_backward(query, key, params,
+                                    _additive_grads(query, key, wq, wk, dqp, dkp, dv))
+
 
 class CosineSimilarity(Similarity):
     """``beta * cos(q, k)``; rows are divided by max(||row||, eps)."""
@@ -563,6 +715,22 @@ class CosineSimilarity(Similarity):
 
     def _lower(self, query, key, params):
         return ("sdpa", self._normalise(query), self._normalise(key), float(params["beta"]))
+
+    def _normalise_backward(self, x, dy):
+        """dx of y = x / max(||x||, eps): (dy - y (y . dy)) / ||x|| where
+        ||x|| >= eps, dy / eps elsewhere (the norm is then the constant eps)."""
+        n = np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True))
+        eps = x.dtype.type(self.eps)
+        big = n >= eps
+        den = np.where(big, n, eps)
+        y = x / den
+        dx = dy - np.where(big, y * np.sum(y * dy, axis=-1, keepdims=True), 0)
+        return dx / den
+
+    def _lower_backward(self, query, key, params, grads):
+        return (self._normalise_backward(query, grads["query"]),
+                self._normalise_backward(key, grads["key"]),
+                {"beta": _scalar(grads["scale"], params["beta"])})
 
 
 class PrecomputedAdditiveSimilarity(Similarity):
@@ -600,6 +768,21 @@ class PrecomputedAdditiveSimilarity(Similarity):
 
     def _lower(self, query, key, params):
         return ("additive", params["W_q"], None, params.get("b"), params["v"])
+
+    def _lower_backward(self, query, key, params, grads):
+        dp = {"W_q": grads["W_q"], "v": grads["v"]}
+        if "b" in params:
+            dp["b"] = grads["b"]
+        return grads["query"], grads["key"], dp
+
+    def score_backward(self, query, key, params, grad_scores):
+        qp = _matmul_t(query, params["W_q"])
+        if "b" in params:
+            qp = qp + params["b"]
+        dqp, dkp, dv = _additive_tile_backward(_additive_tanh(qp, key), params["v"], grad_scores)
+        dqp, dkp = sum_to_shape(dqp, qp.shape), sum_to_shape(dkp, key.shape)
+        return self._lower_backward(query, key, params,
+                                    _additive_grads(query, key, params["W_q"], None, dqp, dkp, dv))
 
 
 def _precomputed_additive(sim, params, key, wk):
