@@ -21,11 +21,11 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _rnn, _threads
-from ._linear import _dtypes, _matmul
+from ._linear import _dtypes, _matmul, linear, linear_backward
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
 
-__all__ = ["rnn_scan", "rnn_scan_backward", "rnn_cell", "RNN_CELLS"]
+__all__ = ["rnn_scan", "rnn_scan_backward", "rnn_cell", "rnn_cell_backward", "RNN_CELLS"]
 
 #: cell name -> number of gates
 RNN_CELLS = {"rnn_tanh": 1, "rnn_relu": 1, "gru": 3, "lstm": 4}
@@ -403,6 +403,30 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
         _ensure_runtime()
     _rnn.cell(_rnn.CELLS[cell], _rows(x, ct), _rows(wi, ct), bic, _rows(wh, ct), bhc, h0, c0, h1, c1, nt)
     return _as(h1, rdt), _as(c1, rdt)
+
+
+def rnn_cell_backward(grad_h, x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None,
+                      grad_c=None, n_threads=None):
+    """Gradients of :func:`rnn_cell` (one step).
+
+    grad_h : (B, H) dL/d(h'); grad_c : (B, H) dL/d(c') or None (LSTM only);
+    the other arguments are the forward's, unchanged.  Returns ``(dx, dh,
+    dw_ih, db_ih, dw_hh, db_hh, dc)`` (``db_*`` None without that bias, ``dc``
+    None except for LSTM), in the inputs' shapes and dtypes.  The step is one
+    step of :func:`rnn_scan` on the input projection ``x W_ihᵀ + b_ih``:
+    its backward is :func:`rnn_scan_backward` over one step, then
+    :func:`fastattn.functional.linear_backward` for the input projection.
+    """
+    h1, _ = rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, cell=cell, c=c, n_threads=n_threads)
+    xw = linear(x, w_ih, b_ih, n_threads=n_threads)
+    gh = check_grad_array(grad_h, "grad_h", np.shape(h1), h1.dtype)
+    if grad_c is not None and cell != "lstm":
+        raise ValueError(f"grad_c: only an LSTM has a cell state (cell {cell!r})")
+    dxw, dw_hh, db_hh, dh, dc = rnn_scan_backward(
+        None, gh, xw[:, None], w_hh, b_hh, h, h1[:, None], cell=cell, c0=c, grad_c_n=grad_c,
+        n_threads=n_threads)
+    dx, dw_ih, db_ih = linear_backward(dxw[:, 0], x, w_ih, b_ih, n_threads=n_threads)
+    return dx, dh, dw_ih, db_ih, dw_hh, db_hh, dc
 
 
 def _gru_plain(x, h, wi, bi, wh, bh):

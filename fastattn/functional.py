@@ -22,7 +22,7 @@ from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._linear import linear, linear_backward
 from ._multihead import multi_head_attention, multi_head_attention_backward
-from ._recurrence import rnn_cell, rnn_scan, rnn_scan_backward
+from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
                     sdpa_backward)
 
@@ -51,4 +51,5 @@ __all__ = [
     "rnn_scan",
     "rnn_scan_backward",
     "rnn_cell",
+    "rnn_cell_backward",
 ]

@@ -190,3 +190,60 @@ def test_same_bits_for_any_thread_count(cell, rng):
         for a, c in zip(res[0], other):
             if a is not None:
                 np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_rnn_cell_backward_against_torch_cells(cell, bias, rng):
+    """One step against torch.nn.RNNCell / GRUCell / LSTMCell autograd in float64."""
+    from fastattn.functional import rnn_cell_backward
+
+    In = 6
+    cls = {"rnn_tanh": torch.nn.RNNCell, "rnn_relu": torch.nn.RNNCell, "gru": torch.nn.GRUCell,
+           "lstm": torch.nn.LSTMCell}[cell]
+    kw = {"nonlinearity": CELLS[cell][2]} if cell.startswith("rnn") else {}
+    torch.manual_seed(1)
+    tc = cls(In, H, bias=bias, **kw).double()
+    x = torch.tensor(randn(rng, (B, In)), requires_grad=True)
+    h = torch.tensor(randn(rng, (B, H)), requires_grad=True)
+    c = torch.tensor(randn(rng, (B, H)), requires_grad=True) if cell == "lstm" else None
+    gh = randn(rng, (B, H))
+    gc = randn(rng, (B, H)) if cell == "lstm" else None
+    if cell == "lstm":
+        h1, c1 = tc(x, (h, c))
+        ((h1 * torch.tensor(gh)).sum() + (c1 * torch.tensor(gc)).sum()).backward()
+    else:
+        h1 = tc(x, h)
+        (h1 * torch.tensor(gh)).sum().backward()
+    p = {n: t.detach().numpy() for n, t in tc.named_parameters()}
+    dx, dh, dwi, dbi, dwh, dbh, dc = rnn_cell_backward(
+        gh, x.detach().numpy(), h.detach().numpy(), p["weight_ih"], p.get("bias_ih"),
+        p["weight_hh"], p.get("bias_hh"), cell=cell,
+        c=None if c is None else c.detach().numpy(), grad_c=gc)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dx, x.grad.numpy(), **tol)
+    np.testing.assert_allclose(dh, h.grad.numpy(), **tol)
+    np.testing.assert_allclose(dwi, tc.weight_ih.grad.numpy(), **tol)
+    np.testing.assert_allclose(dwh, tc.weight_hh.grad.numpy(), **tol)
+    if bias:
+        np.testing.assert_allclose(dbi, tc.bias_ih.grad.numpy(), **tol)
+        np.testing.assert_allclose(dbh, tc.bias_hh.grad.numpy(), **tol)
+    else:
+        assert dbi is None and dbh is None
+    if cell == "lstm":
+        np.testing.assert_allclose(dc, c.grad.numpy(), **tol)
+    else:
+        assert dc is None
+
+
+def test_rnn_cell_backward_bad_input(rng):
+    from fastattn.functional import rnn_cell_backward
+
+    x, h = randn(rng, (B, 4)), randn(rng, (B, H))
+    wi, wh = randn(rng, (3 * H, 4)), randn(rng, (3 * H, H))
+    with pytest.raises(ValueError, match=r"grad_h: expected shape \(3, 5\)"):
+        rnn_cell_backward(randn(rng, (B, 4)), x, h, wi, None, wh, None)
+    with pytest.raises(ValueError, match="grad_c: only an LSTM has a cell state"):
+        rnn_cell_backward(randn(rng, (B, H)), x, h, wi, None, wh, None, grad_c=h)
+    with pytest.raises(ValueError, match="w_hh: expected shape"):
+        rnn_cell_backward(randn(rng, (B, H)), x, h, wi, None, wh[:5], None)
