@@ -15,11 +15,9 @@ against 13 ms), with the same bits.
 """
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
-from ._validation import as_array, check_float_kind
+from ._validation import as_array, check_float_kind, check_int
 
 __all__ = ["embedding", "embedding_backward"]
 
@@ -29,26 +27,11 @@ _F64 = np.dtype(np.float64)
 SCATTER_CHUNK = 1 << 16
 
 
-def _check_index(value, name, minimum):
-    """``value`` as an int (anything with ``__index__``, not a bool) >= ``minimum``,
-    with the messages of the layers' ``check_int``."""
-    what = f"an int >= {minimum}"
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
-    if n < minimum:
-        raise ValueError(f"{name}: expected {what}, got {n}")
-    return n
-
-
 def _check_padding_idx(padding_idx, n):
     """``padding_idx`` in ``[-n, n)`` as an index in ``[0, n)`` (``Embedding``'s rule), or None."""
     if padding_idx is None:
         return None
-    p = _check_index(padding_idx, "padding_idx", -n)
+    p = check_int(padding_idx, "padding_idx", -n)
     if p >= n:
         raise ValueError(f"padding_idx: expected an index in [0, {n}), got {p}")
     return p % n
@@ -96,7 +79,7 @@ def embedding_backward(grad_out, ids, num_embeddings, *, padding_idx=None, dtype
     default grad_out's.  Summed in float64 when grad_out or ``dtype`` is
     float64, in float32 otherwise (float16 too).  Inputs are never modified.
     """
-    n = _check_index(num_embeddings, "num_embeddings", 0)
+    n = check_int(num_embeddings, "num_embeddings", 0)
     pad = _check_padding_idx(padding_idx, n)
     a = _check_ids(ids, n)
     g = as_array(grad_out, "grad_out")

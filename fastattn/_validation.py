@@ -6,6 +6,8 @@ what these helpers return.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 # BLAS integers are 32-bit (scipy.linalg.cython_blas): sizes and leading
@@ -182,3 +184,21 @@ def grad_dtype(x, cdt: np.dtype) -> np.dtype:
     if dt is not None and dt.kind == "f" and dt.itemsize <= 8:
         return dt
     return cdt
+
+
+def check_int(value, name, minimum=1, *, what=None):
+    """``value`` as an int: a Python or NumPy integer (anything with ``__index__``),
+    not a bool, at least ``minimum``.  ``what`` is the expectation the messages
+    state (default ``"an int >= {minimum}"``; ``MultiHeadAttention`` says
+    ``"a positive integer"``)."""
+    if what is None:
+        what = f"an int >= {minimum}"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name}: expected {what}, got {n}")
+    return n

@@ -403,3 +403,23 @@ def check_float32_and_float64_agree(run_in, factor=1.0):
     assert o32.dtype == F32 and o64.dtype == F64
     assert_agree(o32, o64, F32, factor=factor)
     assert_agree(w32, w64, F32, factor=factor)
+
+
+# --------------------------------------------------------------------------
+# Gradients: central finite differences.
+
+def assert_central_differences(loss, args, grads, rng, points=4, h=1e-6, rtol=1e-6, atol=1e-8):
+    """Each ``grads[k]`` against (loss(.., args[k] + h e, ..) - loss(.., - h e, ..)) / 2h at
+    ``points`` random entries of ``args[k]`` (float64 arrays; a non-finite entry,
+    e.g. a -inf mask value, must have an exact zero gradient instead)."""
+    for k, (arr, grad) in enumerate(zip(args, grads)):
+        for idx in [tuple(int(rng.integers(0, n)) for n in arr.shape) for _ in range(points)]:
+            if not np.isfinite(arr[idx]):
+                assert grad[idx] == 0, (k, idx)
+                continue
+            hi, lo = list(args), list(args)
+            hi[k], lo[k] = arr.copy(), arr.copy()
+            hi[k][idx] += h
+            lo[k][idx] -= h
+            fd = (loss(*hi) - loss(*lo)) / (2 * h)
+            np.testing.assert_allclose(grad[idx], fd, rtol=rtol, atol=atol, err_msg=f"arg {k} {idx}")

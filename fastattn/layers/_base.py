@@ -20,14 +20,14 @@ Training (a later issue) will keep gradients in ``self._grads`` beside
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Mapping
 
 import numpy as np
 
+from .._validation import check_int
 from ..registry import get_similarity
 
-__all__ = ["Layer"]
+__all__ = ["Layer", "check_int"]  # check_int: _validation's, shared with the ops
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -41,24 +41,6 @@ def check_dtype(dtype, name="dtype"):
     if dt not in _FLOAT_DTYPES:
         raise TypeError(f"{name}: expected float32 or float64, got {dt}")
     return dt
-
-
-def check_int(value, name, minimum=1, *, what=None):
-    """``value`` as an int: a Python or NumPy integer (anything with ``__index__``),
-    not a bool, at least ``minimum``.  ``what`` is the expectation the messages
-    state (default ``"an int >= {minimum}"``; ``MultiHeadAttention`` says
-    ``"a positive integer"``)."""
-    if what is None:
-        what = f"an int >= {minimum}"
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
-    if n < minimum:
-        raise ValueError(f"{name}: expected {what}, got {n}")
-    return n
 
 
 def check_bool(value, name):

@@ -15,7 +15,7 @@ import fastattn
 from fastattn import _reference as R, _sdpa
 from fastattn.functional import sdpa_backward
 
-from support import assert_close, make_layout, randn
+from support import assert_central_differences, assert_close, make_layout, randn
 from test_similarity import MASKS, make_mask
 
 torch = pytest.importorskip("torch")
@@ -129,21 +129,7 @@ def test_central_finite_differences(rng):
     def loss(q, k, v, m):
         return float(np.sum(forward(q, k, v, m, True, "bottom_right")[0] * g))
 
-    h = 1e-6
-    for which, (arr, grad) in enumerate(zip((q, k, v, mask), grads)):
-        for idx in [tuple(rng.integers(0, n) for n in arr.shape) for _ in range(4)]:
-            if not np.isfinite(arr[idx]):
-                assert grad[idx] == 0
-                continue
-            args = [q, k, v, mask]
-            hi, lo = arr.copy(), arr.copy()
-            hi[idx] += h
-            lo[idx] -= h
-            args[which] = hi
-            f_hi = loss(*args)
-            args[which] = lo
-            f_lo = loss(*args)
-            np.testing.assert_allclose(grad[idx], (f_hi - f_lo) / (2 * h), rtol=1e-6, atol=1e-8)
+    assert_central_differences(loss, [q, k, v, mask], grads, rng)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

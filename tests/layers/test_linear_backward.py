@@ -18,7 +18,7 @@ from fastattn import _reference as R
 from fastattn.functional import embedding, embedding_backward, linear, linear_backward
 from fastattn.layers import Embedding
 
-from support import assert_close, make_layout, randn
+from support import assert_central_differences, assert_close, make_layout, randn
 
 torch = pytest.importorskip("torch")
 
@@ -155,18 +155,7 @@ def test_central_finite_differences(rng):
     def loss(x, w, b):
         return float(np.sum(linear(x, w, b) * g))
 
-    h = 1e-6
-    for which, (arr, grad) in enumerate(zip((x, w, b), grads)):
-        for idx in [tuple(int(rng.integers(0, n)) for n in arr.shape) for _ in range(5)]:
-            args = [x, w, b]
-            hi, lo = arr.copy(), arr.copy()
-            hi[idx] += h
-            lo[idx] -= h
-            args[which] = hi
-            f_hi = loss(*args)
-            args[which] = lo
-            f_lo = loss(*args)
-            np.testing.assert_allclose(grad[idx], (f_hi - f_lo) / (2 * h), rtol=1e-6, atol=1e-8)
+    assert_central_differences(loss, [x, w, b], grads, rng, points=5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])

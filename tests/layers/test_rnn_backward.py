@@ -12,7 +12,7 @@ import pytest
 from fastattn import _reference as R
 from fastattn.functional import rnn_scan, rnn_scan_backward
 
-from support import assert_close, randn
+from support import assert_central_differences, assert_close, randn
 
 torch = pytest.importorskip("torch")
 
@@ -135,16 +135,7 @@ def test_central_finite_differences(cell, rng):
 
     o, _, _ = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths)
     grads = rnn_scan_backward(go, gh, xw, W, b, h0, o, cell=cell, c0=c0, lengths=lengths)
-    args = [xw, W, b, h0]
-    h = 1e-6
-    for k in range(4):
-        for idx in [tuple(rng.integers(0, n) for n in args[k].shape) for _ in range(3)]:
-            hi = [a.copy() for a in args]
-            lo = [a.copy() for a in args]
-            hi[k][idx] += h
-            lo[k][idx] -= h
-            fd = (loss(*hi) - loss(*lo)) / (2 * h)
-            np.testing.assert_allclose(grads[k][idx], fd, rtol=1e-6, atol=1e-8)
+    assert_central_differences(loss, [xw, W, b, h0], grads[:4], rng, points=3)
 
 
 def test_optional_gradients_dtypes_and_empty(rng):
