@@ -18,7 +18,6 @@ timing (float32 tolerances).  Both libraries at fastattn's thread count.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -32,17 +31,6 @@ pytestmark = pytest.mark.usefixtures("quiesce_after")
 
 N_THREADS = fastattn.get_num_threads()
 torch = _bench.load_torch(N_THREADS)
-
-
-def _time(benchmark, fn):
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = time.perf_counter() - t0
-    if one < 0.02:
-        return benchmark(fn)
-    return benchmark.pedantic(fn, rounds=int(min(15, max(3, 3.0 / one))), iterations=1,
-                              warmup_rounds=1)
 
 
 # ------------------------------------------------------------------ GRU
@@ -155,4 +143,4 @@ def test_forward_backward(benchmark, name, impl):
         for a, b in zip(fn(), other()):
             np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4 * max(1.0, np.abs(b).max()))
         _bench.quiesce()
-    _time(benchmark, fn)
+    _bench.time_benchmark(benchmark, fn)

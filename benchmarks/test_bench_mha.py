@@ -59,9 +59,6 @@ IMPLS = ("fastattn", "fastattn_frozen", "torch", "ort", "numpy")
 TOLERANCE = (1e-4, 1e-5)  # (rtol, atol) against the float64 oracle, float32 results
 TORCH_MAX_ABS_DIFF = 1e-5
 
-PEDANTIC_ABOVE = 0.02
-PEDANTIC_BUDGET = 3.0
-PEDANTIC_ROUNDS = (3, 15)
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,14 +179,6 @@ def _callable(impl, x):
 
 
 
-def _time(benchmark, fn, first_call_s):
-    if first_call_s < PEDANTIC_ABOVE:
-        return benchmark(fn)
-    lo, hi = PEDANTIC_ROUNDS
-    rounds = int(min(hi, max(lo, PEDANTIC_BUDGET / first_call_s)))
-    return benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
-
-
 def _params():
     for B, N in SHAPES:
         group = f"mha B={B} N={N} E={E} H={H} float32"
@@ -232,7 +221,7 @@ def test_mha_forward(benchmark, B, N, impl):
         t0 = time.perf_counter()
         fn()
         first_s = time.perf_counter() - t0
-        result = _time(benchmark, fn, first_s)
+        result = _bench.time_benchmark(benchmark, fn, first_s)
     result = _result(result)
     assert result.dtype == np.float32 and result.shape == (B, N, E)
     np.testing.assert_allclose(result, expected, rtol=TOLERANCE[0], atol=TOLERANCE[1])

@@ -76,9 +76,6 @@ CASES = list(_bench.SUITE_CASES)
 IMPLS = ("fastattn", "torch", "ort", "numpy")
 GEMM_N = 2048
 
-PEDANTIC_ABOVE = 0.02   # seconds per call: time with benchmark.pedantic beyond this
-PEDANTIC_BUDGET = 3.0   # seconds of timed rounds per pedantic benchmark
-PEDANTIC_ROUNDS = (3, 15)
 
 
 class Data(NamedTuple):
@@ -118,15 +115,6 @@ def _params():
             if impl == "ort" and ort is None:
                 marks.append(pytest.mark.skip(reason="onnx/onnxruntime is not importable"))
             yield pytest.param(case, impl, id=f"{case.name}-{impl}", marks=marks)
-
-
-def _time(benchmark, fn, first_call_s):
-    """``benchmark(fn)``, or ``benchmark.pedantic`` for calls slower than PEDANTIC_ABOVE."""
-    if first_call_s < PEDANTIC_ABOVE:
-        return benchmark(fn)
-    lo, hi = PEDANTIC_ROUNDS
-    rounds = int(min(hi, max(lo, PEDANTIC_BUDGET / first_call_s)))
-    return benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 def _gemm_params():
@@ -189,7 +177,7 @@ def test_sdpa(benchmark, case, impl):
         t0 = time.perf_counter()
         fn()  # the second call decides how to time (the first may include set-up)
         first_s = time.perf_counter() - t0
-        result = _time(benchmark, fn, first_s)
+        result = _bench.time_benchmark(benchmark, fn, first_s)
 
     result = np.asarray(result)
     if impl == "numpy":  # the baseline itself against the float64 oracle

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import numpy as np
 import pytest
@@ -145,11 +144,4 @@ def test_sdpa_forward_backward(benchmark, case, impl):
             for a, r in zip(grads, ref):
                 np.testing.assert_allclose(a, r, rtol=rtol, atol=atol * np.abs(r).max())
         _bench.quiesce()
-        t0 = time.perf_counter()
-        fn()
-        one = time.perf_counter() - t0
-        if one < 0.02:   # short calls: pytest-benchmark's own calibrated loop (warm threads)
-            benchmark(fn)
-        else:
-            benchmark.pedantic(fn, rounds=int(min(15, max(3, 3.0 / one))), iterations=1,
-                               warmup_rounds=1)
+        _bench.time_benchmark(benchmark, fn)

@@ -25,7 +25,6 @@ import contextlib
 import functools
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -60,17 +59,6 @@ def rel_err(got, ref):
     return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
 
 
-def _time(benchmark, fn):
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = time.perf_counter() - t0
-    if one < 0.02:
-        return benchmark(fn)
-    return benchmark.pedantic(fn, rounds=int(min(15, max(3, 3.0 / one))), iterations=1,
-                              warmup_rounds=1)
-
-
 def _params():
     for case in SI.CASES:
         for impl in SI.IMPLS:
@@ -103,7 +91,7 @@ def test_additive(benchmark, case, impl):
         assert err <= PEER_RTOL, err
         benchmark.extra_info["rel_err"] = err
         _bench.quiesce()  # the reference and this first call may leave workers spinning
-        result = _time(benchmark, fn)
+        result = _bench.time_benchmark(benchmark, fn)
     assert rel_err(to_np(result), ref) <= PEER_RTOL
 
 

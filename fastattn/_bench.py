@@ -691,6 +691,31 @@ def _max_err(result, expected):
 QUIESCE_S = 0.2
 
 
+# pytest-benchmark timing of one benchmark (benchmarks/test_bench_*.py)
+PEDANTIC_ABOVE = 0.02   # seconds per call: time with benchmark.pedantic beyond this
+PEDANTIC_BUDGET = 3.0   # seconds of timed rounds per pedantic benchmark
+PEDANTIC_ROUNDS = (3, 15)
+
+
+def time_benchmark(benchmark, fn, first_call_s=None):
+    """Time ``fn`` with pytest-benchmark's ``benchmark`` fixture: its calibrated
+    loop for calls faster than PEDANTIC_ABOVE (warm threads), else
+    ``benchmark.pedantic`` (1 warm-up round, then as many 1-call rounds as fit
+    in PEDANTIC_BUDGET, within PEDANTIC_ROUNDS).  ``first_call_s``: a call's
+    time if already measured; otherwise ``fn`` runs twice and the second call
+    is timed (the first may include set-up).  Returns the timed result."""
+    if first_call_s is None:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        first_call_s = time.perf_counter() - t0
+    if first_call_s < PEDANTIC_ABOVE:
+        return benchmark(fn)
+    lo, hi = PEDANTIC_ROUNDS
+    rounds = int(min(hi, max(lo, PEDANTIC_BUDGET / first_call_s)))
+    return benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+
+
 def quiesce(seconds=QUIESCE_S):
     """Sleep until the previous library's spinning worker threads have gone idle."""
     time.sleep(seconds)
