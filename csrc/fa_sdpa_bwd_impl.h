@@ -109,6 +109,7 @@ static void FN(bwd_dscores)(const REAL *P, REAL *dP, const double *D, const REAL
 typedef struct {
     const fa_sdpa_bwd_args *a;
     const fa_rowops *ops;
+    int64_t nbatch;          /* batch items of the broadcast batch */
     int64_t nqb, nkb;
     int64_t ngroups;
     const int64_t *gstart;   /* key blocks [gstart[g], gstart[g+1]) form group g */
@@ -140,11 +141,8 @@ static inline REAL *FN(bwd_dq_buf)(const fa_sdpa_bwd_args *a, const FN(bjob) *j,
         *ld = a->lddq;
         return (REAL *)a->dq + FN(batch_off)(f, a->dq_bs, b);
     }
-    int64_t nbatch = 1;
-    for (int i = 0; i < f->nbatch; i++)
-        nbatch *= f->batch_shape[i];
     *ld = f->d;
-    return (REAL *)a->dq_part + ((g - 1) * nbatch + b) * f->Lq * f->d;
+    return (REAL *)a->dq_part + ((g - 1) * j->nbatch + b) * f->Lq * f->d;
 }
 
 /* Task t of a run over (batch item b, query block from row i0, m rows). */
@@ -367,6 +365,7 @@ int FN(fa_sdpa_bwd)(const fa_sdpa_bwd_args *a)
     FN(bjob) j;
     j.a = a;
     j.ops = fa_get_rowops();
+    j.nbatch = nbatch;
     j.nqb = (f->Lq + f->block_q - 1) / f->block_q;
     j.nkb = (f->Lk + f->block_k - 1) / f->block_k;
     j.ngroups = a->ngroups;

@@ -798,9 +798,9 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
     p = c.p
     cdt = p.cdt
     osh = p.batch + (p.Lq, p.dv)
-    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh, cdt), cdt)
-    o = canonical_matrix_stack(check_grad_array(out, "out", osh, cdt), cdt)
-    ls = np.asarray(check_grad_array(lse, "lse", p.batch + (p.Lq,), cdt), dtype=cdt)
+    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh), cdt)
+    o = canonical_matrix_stack(check_grad_array(out, "out", osh), cdt)
+    ls = np.asarray(check_grad_array(lse, "lse", p.batch + (p.Lq,)), dtype=cdt)
     kind = c.lowered[0] if lowered_ok and c.lowered is not None else None
     if kind in ("sdpa", "project_sdpa"):
         dq, dk, dv, dparams = _backward_sdpa(c, g, o, ls)

@@ -225,7 +225,7 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     nt = _threads.resolve(n_threads)
     N, K = w.shape
     lead = x.shape[:-1]
-    g = check_grad_array(grad_out, "grad_out", lead + (N,), cdt)
+    g = check_grad_array(grad_out, "grad_out", lead + (N,))
     rows = int(np.prod(lead))
     g2 = g.reshape(rows, N)
     x2 = x.reshape(rows, K)

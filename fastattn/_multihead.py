@@ -622,7 +622,7 @@ def multi_head_attention_backward(
     B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
     kvE = Hkv * dh
     out_shape = (B, Lq, p.E_out) if p.batched else (Lq, p.E_out)
-    g = check_grad_array(grad_out, "grad_out", out_shape, cdt).astype(cdt, copy=False)
+    g = check_grad_array(grad_out, "grad_out", out_shape).astype(cdt, copy=False)
     g = g.reshape(B * Lq, p.E_out)
 
     # the forward again, keeping the attention's lse

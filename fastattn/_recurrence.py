@@ -230,7 +230,7 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
             continue
         if name == "grad_c_n" and cell != "lstm":
             raise ValueError(f"grad_c_n: only an LSTM has a cell state (cell {cell!r})")
-        grads_in[name] = check_grad_array(g_, name, shape, ct).astype(ct, copy=False)
+        grads_in[name] = check_grad_array(g_, name, shape).astype(ct, copy=False)
     xwd = a.xw.astype(ct, copy=False)
     W = np.ascontiguousarray(a.w, dtype=ct)
     bh = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
@@ -419,7 +419,7 @@ def rnn_cell_backward(grad_h, x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=Non
     """
     h1, _ = rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, cell=cell, c=c, n_threads=n_threads)
     xw = linear(x, w_ih, b_ih, n_threads=n_threads)
-    gh = check_grad_array(grad_h, "grad_h", np.shape(h1), h1.dtype)
+    gh = check_grad_array(grad_h, "grad_h", np.shape(h1))
     if grad_c is not None and cell != "lstm":
         raise ValueError(f"grad_c: only an LSTM has a cell state (cell {cell!r})")
     dxw, dw_hh, db_hh, dh, dc = rnn_scan_backward(

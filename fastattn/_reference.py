@@ -8,12 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def _allowed_and_scores(q, k, attn_mask, is_causal, scale, causal_alignment):
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    d = q.shape[-1]
-    if scale is None:
-        scale = 1.0 / np.sqrt(d) if d > 0 else 1.0
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+def _mask_scores(s, attn_mask, is_causal, causal_alignment):
+    """(masked scores, allowed) for scores s (..., Lq, Lk): a bool mask and
+    causality forbid (-inf), a float mask is added; broadcast together."""
+    Lq, Lk = s.shape[-2], s.shape[-1]
     allowed = np.ones(s.shape, dtype=bool)
     if attn_mask is not None:
         m = np.asarray(attn_mask)
@@ -23,11 +21,17 @@ def _allowed_and_scores(q, k, attn_mask, is_causal, scale, causal_alignment):
             s = s + m.astype(np.float64)
     if is_causal:
         off = 0 if causal_alignment == "top_left" else Lk - Lq
-        i = np.arange(Lq)[:, None]
-        j = np.arange(Lk)[None, :]
-        allowed = allowed & (j <= i + off)
+        allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
     s, allowed = np.broadcast_arrays(s, allowed)
     return np.where(allowed, s, -np.inf), allowed
+
+
+def _allowed_and_scores(q, k, attn_mask, is_causal, scale, causal_alignment):
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d) if d > 0 else 1.0
+    return _mask_scores(np.matmul(q, np.swapaxes(k, -1, -2)) * scale, attn_mask, is_causal,
+                        causal_alignment)
 
 
 def softmax_rows(s):
@@ -134,20 +138,8 @@ def attention(query, key, value, score_fn, attn_mask=None, is_causal=False, *,
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
     v = np.asarray(value, dtype=np.float64)
-    s = np.asarray(score_fn(q, k), dtype=np.float64)
-    Lq, Lk = q.shape[-2], k.shape[-2]
-    allowed = np.ones(s.shape, dtype=bool)
-    if attn_mask is not None:
-        m = np.asarray(attn_mask)
-        if m.dtype == np.bool_:
-            allowed = allowed & m
-        else:
-            s = s + m.astype(np.float64)
-    if is_causal:
-        off = 0 if causal_alignment == "top_left" else Lk - Lq
-        allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
-    s, allowed = np.broadcast_arrays(s, allowed)
-    s = np.where(allowed, s, -np.inf)
+    s, _ = _mask_scores(np.asarray(score_fn(q, k), dtype=np.float64), attn_mask, is_causal,
+                        causal_alignment)
     w = softmax_rows(s)
     return _results(np.matmul(w, v), w, s, return_weights, return_lse)
 
@@ -606,21 +598,6 @@ def _esum(spec, *ops):
     return r.reshape((-1,) + r.shape[r.ndim - n:]).sum(axis=0) if n else r.sum()
 
 
-def _masked_scores(s, Lq, Lk, attn_mask, is_causal, causal_alignment):
-    allowed = np.ones(s.shape, dtype=bool)
-    if attn_mask is not None:
-        m = np.asarray(attn_mask)
-        if m.dtype == np.bool_:
-            allowed = allowed & m
-        else:
-            s = s + m.astype(np.float64)
-    if is_causal:
-        off = 0 if causal_alignment == "top_left" else Lk - Lq
-        allowed = allowed & (np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + off)
-    s, allowed = np.broadcast_arrays(s, allowed)
-    return np.where(allowed, s, -np.inf)
-
-
 def attention_backward(grad_out, query, key, value, score_vjp, attn_mask=None, is_causal=False,
                        *, causal_alignment="top_left"):
     """(dq, dk, dv, dparams) of `attention` in float64.
@@ -633,8 +610,7 @@ def attention_backward(grad_out, query, key, value, score_vjp, attn_mask=None, i
     q, k, v, g = _f64(query, key, value, grad_out)
     s, vjp = score_vjp(q, k)
     s = np.asarray(s, dtype=np.float64)
-    p = softmax_rows(_masked_scores(s, q.shape[-2], k.shape[-2], attn_mask, is_causal,
-                                    causal_alignment))
+    p = softmax_rows(_mask_scores(s, attn_mask, is_causal, causal_alignment)[0])
     dv = np.matmul(np.swapaxes(p, -1, -2), g)
     dp = np.matmul(g, np.swapaxes(v, -1, -2))
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))

@@ -606,9 +606,9 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
             + ("no attn_mask" if p.mask is None else "a bool attn_mask"))
     cdt = p.cdt
     osh = p.batch + (p.Lq, p.dv)
-    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh, cdt), cdt)
-    o = canonical_matrix_stack(check_grad_array(out, "out", osh, cdt), cdt)
-    ls = check_grad_array(lse, "lse", p.batch + (p.Lq,), cdt)
+    g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh), cdt)
+    o = canonical_matrix_stack(check_grad_array(out, "out", osh), cdt)
+    ls = check_grad_array(lse, "lse", p.batch + (p.Lq,))
     if ls.dtype != cdt or (p.Lq > 1 and ls.strides[-1] != ls.itemsize) or not ls.flags.aligned:
         ls = np.array(ls, dtype=cdt, order="C")
 

@@ -163,10 +163,10 @@ def sum_to_shape(a: np.ndarray, shape: tuple) -> np.ndarray:
     return a
 
 
-def check_grad_array(x, name: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
+def check_grad_array(x, name: str, shape: tuple) -> np.ndarray:
     """A forward result handed to a backward (``grad_out``, ``out``, ``lse``):
-    a real floating array of exactly ``shape``, as a canonical stack in
-    ``dtype`` (cast, and copied when its rows are not BLAS-addressable)."""
+    ``x`` as an ndarray (not copied) of a real floating dtype and exactly
+    ``shape``; the caller casts it to its compute dtype."""
     a = as_array(x, name)
     if a.dtype.kind != "f" or a.dtype.itemsize > 8:
         raise TypeError(
