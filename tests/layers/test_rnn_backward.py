@@ -238,3 +238,29 @@ def test_rnn_cell_backward_bad_input(rng):
         rnn_cell_backward(randn(rng, (B, H)), x, h, wi, None, wh, None, grad_c=h)
     with pytest.raises(ValueError, match="w_hh: expected shape"):
         rnn_cell_backward(randn(rng, (B, H)), x, h, wi, None, wh[:5], None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_rnn_cell_backward_matches_the_oracle(cell, dtype, rng):
+    """One step: the oracle's recurrence backward over T = 1, then its linear backward."""
+    from fastattn.functional import rnn_cell_backward
+
+    G, mode, nl = CELLS[cell]
+    x, h = randn(rng, (B, 4), dtype), randn(rng, (B, H), dtype)
+    wi, bi = randn(rng, (G * H, 4), dtype, 0.4), randn(rng, (G * H,), dtype)
+    wh, bh = randn(rng, (G * H, H), dtype, 0.4), randn(rng, (G * H,), dtype)
+    c = randn(rng, (B, H), dtype) if cell == "lstm" else None
+    gh = randn(rng, (B, H), dtype)
+    gc = randn(rng, (B, H), dtype) if cell == "lstm" else None
+    got = rnn_cell_backward(gh, x, h, wi, bi, wh, bh, cell=cell, c=c, grad_c=gc)
+    xw = x.astype(np.float64) @ wi.astype(np.float64).T + bi
+    dxw, dwh, dbh, dh, dc = R.rnn_scan_backward(mode, None, gh, xw[:, None], wh, bh, h, c, gc,
+                                                nonlinearity=nl)
+    dx, dwi, dbi = R.linear_backward(dxw[:, 0], x, wi, bi)
+    for name, a, r in zip(("dx", "dh", "dw_ih", "db_ih", "dw_hh", "db_hh"),
+                          got[:6], (dx, dh, dwi, dbi, dwh, dbh)):
+        assert a.dtype == dtype, name
+        assert_close(a, r, dtype, err_msg=name)
+    if cell == "lstm":
+        assert_close(got[6], dc, dtype)
