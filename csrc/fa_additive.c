@@ -349,8 +349,53 @@ static int selftest_f64(const void *params, const double *q, int64_t ldq, const 
     SELFTEST_BODY(double)
 }
 
+/* Its backward: ds/dq_c = -2 gamma (q_c - k_c) = -ds/dk_c, ds/dgamma = -|q - k|^2;
+ * mode (params[1]) gets no gradient; mode 4 makes it fail with code 9. */
+#define SELFTEST_BWD_BODY(T)                                                      \
+    const double *pr = (const double *)params;                                    \
+    T gamma = (T)pr[0];                                                           \
+    int mode = (int)pr[1];                                                        \
+    if (mode == 4)                                                                \
+        return 9;                                                                 \
+    double dgamma = 0.0;                                                          \
+    for (int64_t i = 0; i < tq; i++)                                              \
+        for (int64_t j = 0; j < tk; j++) {                                        \
+            const T *qi = q + i * ldq, *kj = k + j * ldk;                         \
+            T *dqi = dq + i * lddq, *dkj = dk + j * lddk;                         \
+            T gij = g[i * ldg + j];                                               \
+            if (gij == 0)                                                         \
+                continue;                                                         \
+            T w = -2 * gamma * gij, acc = 0;                                      \
+            for (int64_t c = 0; c < d; c++) {                                     \
+                T t = qi[c] - kj[c];                                              \
+                acc += t * t;                                                     \
+                dqi[c] += w * t;                                                  \
+                dkj[c] -= w * t;                                                  \
+            }                                                                     \
+            dgamma -= (double)gij * (double)acc;                                  \
+        }                                                                         \
+    dparams[0] += dgamma;                                                         \
+    return 0;
+
+static int selftest_bwd_f32(const void *params, const float *q, int64_t ldq, const float *k,
+                            int64_t ldk, int64_t tq, int64_t tk, int64_t d, const float *g,
+                            int64_t ldg, float *dq, int64_t lddq, float *dk, int64_t lddk,
+                            double *dparams)
+{
+    SELFTEST_BWD_BODY(float)
+}
+
+static int selftest_bwd_f64(const void *params, const double *q, int64_t ldq, const double *k,
+                            int64_t ldk, int64_t tq, int64_t tk, int64_t d, const double *g,
+                            int64_t ldg, double *dq, int64_t lddq, double *dk, int64_t lddk,
+                            double *dparams)
+{
+    SELFTEST_BWD_BODY(double)
+}
+
 static const fastattn_score_plugin selftest_plugin = {
     FASTATTN_PLUGIN_ABI_VERSION, "fastattn_selftest_neg_sq_dist", selftest_f32, selftest_f64,
+    selftest_bwd_f32, selftest_bwd_f64,
 };
 
 const fastattn_score_plugin *fa_selftest_plugin(void) { return &selftest_plugin; }

@@ -18,7 +18,8 @@ Three ways a call runs (:func:`attention_path` says which one would):
 Its backward, :func:`attention_backward`, runs SDPA's C backward for the
 ``"sdpa"`` similarities (then the chain rule of their lowering) and a NumPy
 tiled backward for the others that have one (``additive``, ``concat``, a
-Python similarity with a ``score_backward``).
+Python similarity with a ``score_backward``, a compiled plugin with a C
+``score_backward``: ABI version 2).
 
 Masks, causality (and its alignment), fully masked rows (zeros), weights,
 ``out=`` and dtypes behave exactly as in
@@ -37,7 +38,8 @@ import numpy as np
 from . import _kernels, _masks, _sdpa, _threads, _validation
 from ._validation import as_array, canonical_matrix_stack, check_grad_array, describe, sum_to_shape
 from .registry import get_similarity
-from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, CompiledSimilarity, Similarity,
+from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, PLUGIN_CAPSULE_NAME_V1,
+                         CompiledSimilarity, Similarity,
                          _additive_grads, _additive_tanh, _additive_tile_backward, _fits,
                          _sum_rows_t)
 
@@ -615,18 +617,24 @@ def _pad_columns(x, dp, cdt):
 
 
 def _plugin_functions(sim):
+    """(score_f32, score_f64, score_backward_f32, score_backward_f64) of a
+    compiled plugin, C addresses (0: not provided; a version 1 plugin has no
+    backward)."""
     cap = sim.capsule
-    info = _scores.capsule_info(cap, PLUGIN_CAPSULE_NAME.encode())
+    info = _scores.capsule_info(cap)
     if info is None:
         raise TypeError(
             f"similarity {sim.name!r}: capsule must be a PyCapsule named "
-            f"{PLUGIN_CAPSULE_NAME!r}, got {describe(cap) if not type(cap).__name__ == 'PyCapsule' else repr(cap)}")
-    abi, f32, f64 = info
-    if abi != PLUGIN_ABI_VERSION:
+            f"{PLUGIN_CAPSULE_NAME!r} (or a version 1 plugin's {PLUGIN_CAPSULE_NAME_V1!r}), "
+            f"got {describe(cap) if not type(cap).__name__ == 'PyCapsule' else repr(cap)}")
+    version, abi, f32, f64, b32, b64 = info
+    if abi != version:
         raise TypeError(
-            f"similarity {sim.name!r}: plugin ABI version {abi}, this fastattn expects "
-            f"{PLUGIN_ABI_VERSION}")
-    return f32, f64
+            f"similarity {sim.name!r}: plugin ABI version {abi} in a capsule named "
+            f"{(PLUGIN_CAPSULE_NAME if version == 2 else PLUGIN_CAPSULE_NAME_V1)!r}, "
+            f"this fastattn expects {version} there (it supports ABI versions 1 and "
+            f"{PLUGIN_ABI_VERSION})")
+    return f32, f64, b32, b64
 
 
 def _run_fused(c, res, weights, lse=None):
@@ -634,7 +642,7 @@ def _run_fused(c, res, weights, lse=None):
     cdt = p.cdt
     nt = p.n_threads
     if isinstance(c.sim, CompiledSimilarity):
-        f32, f64 = _plugin_functions(c.sim)
+        f32, f64, _, _ = _plugin_functions(c.sim)
         fn = f32 if cdt == np.float32 else f64
         if not fn:
             raise TypeError(f"similarity {c.sim.name!r}: the plugin has no {cdt} score function")
@@ -739,15 +747,30 @@ def _has_score_backward(sim) -> bool:
     return ks not in (None, Similarity) and kb not in (None, Similarity) and ib <= i_s
 
 
-def _no_backward(sim):
+def _no_backward(sim, dtype=None):
     if isinstance(sim, CompiledSimilarity):
-        why = "a compiled plugin's C scores have no gradient"
+        what = "" if dtype is None else f" {np.dtype(dtype).name}"
+        why = (f"its compiled plugin has no{what} score_backward (ABI version "
+               f"{PLUGIN_ABI_VERSION}'s score_backward_f32 / score_backward_f64) and the class "
+               "defines no NumPy score and score_backward")
+        how = ("fill in the plugin's score_backward entry (see fastattn_plugin.h), or give "
+               "the class a NumPy score and score_backward(query, key, params, grad_scores) "
+               "-> (dq, dk, dparams)")
     else:
         why = "it defines no score_backward"
+        how = ("give it a NumPy score and score_backward(query, key, params, grad_scores) -> "
+               "(dq, dk, dparams) (see fastattn.similarity.Similarity.score_backward)")
     return NotImplementedError(
-        f"attention_backward: similarity {sim.name!r} has no backward ({why}); give it a "
-        "NumPy score and score_backward(query, key, params, grad_scores) -> (dq, dk, dparams) "
-        "(see fastattn.similarity.Similarity.score_backward)")
+        f"attention_backward: similarity {sim.name!r} has no backward ({why}); {how}")
+
+
+def _plugin_backward(sim):
+    """A compiled plugin's (score_f32, score_f64, score_backward_f32,
+    score_backward_f64) when it has a C backward of some dtype, else None."""
+    if not isinstance(sim, CompiledSimilarity) or sim.capsule is None:
+        return None
+    fns = _plugin_functions(sim)
+    return fns if (fns[2] or fns[3]) else None
 
 
 def attention_backward(grad_out, query, key, value, similarity="dot", *, params=None, out, lse,
@@ -784,25 +807,39 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
     forward lowered to (projected / normalised), then the chain rule;
     ``additive``, ``concat`` and a Python similarity with a
     :meth:`~fastattn.similarity.Similarity.score_backward` run a NumPy tiled
-    backward (``additive`` / ``concat`` project queries and keys once).  A
-    similarity without a backward (a compiled plugin, a Python similarity
-    without ``score_backward``) raises NotImplementedError before any work.
+    backward (``additive`` / ``concat`` project queries and keys once); a
+    compiled plugin with a C ``score_backward`` (ABI version 2) runs that
+    tiled backward with its C functions on the tiles.  A similarity without
+    a backward (a version 1 plugin, a Python similarity without
+    ``score_backward``) raises NotImplementedError before any work.
     """
     sim = get_similarity(similarity)
     lowered_ok = _has_lower_backward(sim)
     score_ok = _has_score_backward(sim)
-    if not (lowered_ok or score_ok):
+    plugin = _plugin_backward(sim) if _scores is not None else None
+    if not (lowered_ok or score_ok or plugin):
         raise _no_backward(sim)
     c = _prepare(query, key, value, sim, params, attn_mask, is_causal, False, causal_alignment,
                  None, n_threads)
     p = c.p
     cdt = p.cdt
+    if plugin:
+        single = cdt == np.float32
+        fn, bfn = (plugin[0], plugin[2]) if single else (plugin[1], plugin[3])
+        if not bfn:
+            if not score_ok:
+                raise _no_backward(sim, cdt)
+            plugin = None  # the class's NumPy score and score_backward
+        elif not fn:
+            raise TypeError(f"similarity {sim.name!r}: the plugin has no {cdt} score function")
     osh = p.batch + (p.Lq, p.dv)
     g = canonical_matrix_stack(check_grad_array(grad_out, "grad_out", osh), cdt)
     o = canonical_matrix_stack(check_grad_array(out, "out", osh), cdt)
     ls = np.asarray(check_grad_array(lse, "lse", p.batch + (p.Lq,)), dtype=cdt)
     kind = c.lowered[0] if lowered_ok and c.lowered is not None else None
-    if kind in ("sdpa", "project_sdpa"):
+    if plugin:
+        dq, dk, dv, dparams = _backward_plugin(c, g, o, ls, fn, bfn)
+    elif kind in ("sdpa", "project_sdpa"):
         dq, dk, dv, dparams = _backward_sdpa(c, g, o, ls)
     elif kind == "additive":
         dq, dk, dv, dparams = _backward_additive(c, g, o, ls)
@@ -903,6 +940,82 @@ def _backward_scores(c, g, o, ls):
     tiles = _ScoreTiles(c)
     dv = _tiled_backward(c, g, o, ls, tiles)
     return tiles.dq, tiles.dk, dv, tiles.dparams
+
+
+def _backward_plugin(c, g, o, ls, fn, bfn):
+    """A compiled plugin's C score and score_backward on every tile (the
+    tiled backward's softmax part in NumPy on the calling thread)."""
+    tiles = _PluginTiles(c, fn, bfn)
+    dv = _tiled_backward(c, g, o, ls, tiles)
+    d = c.q.shape[-1]
+    dparams = c.sim.unpack_param_grads(tiles.dpacked, c.params, c.d_q) if c.params else {}
+    return tiles.dq[..., :d], tiles.dk[..., :c.k.shape[-1]], dv, dparams
+
+
+class _PluginTiles:
+    """Score tiles and their gradients from a compiled plugin's C functions
+    (plugin_tiles / plugin_tiles_backward: one C call per batch item, GIL
+    released); dL/d(packed params) accumulated in float64, tile after tile in
+    a fixed order."""
+
+    width = 1
+
+    def __init__(self, c, fn, bfn):
+        p = c.p
+        cdt = p.cdt
+        self.c, self.fn, self.bfn = c, fn, bfn
+        q, k = c.q, c.k
+        if q.shape[-1] == 0:  # as the forward: one zero feature (d >= 1 in the ABI)
+            q = np.zeros(q.shape[:-1] + (1,), cdt)
+            k = np.zeros(k.shape[:-1] + (1,), cdt)
+        packed = c.sim.pack_params(c.params, c.d_q, cdt)
+        if not isinstance(packed, np.ndarray) or not packed.flags.c_contiguous:
+            raise TypeError(
+                f"similarity {c.sim.name!r}: pack_params must return a C-contiguous ndarray, "
+                f"got {describe(packed)}")
+        self.packed = packed
+        self.dpacked = np.zeros(packed.size, np.float64)
+        self.Q = np.broadcast_to(q, p.batch + q.shape[-2:])
+        self.K = np.broadcast_to(k, p.batch + k.shape[-2:])
+        self.dq = np.zeros(self.Q.shape, cdt)
+        self.dk = np.zeros(self.K.shape, cdt)
+
+    def chunk(self, ix):
+        self.Qc, self.Kc, self.dqc, self.dkc = self.Q[ix], self.K[ix], self.dq[ix], self.dk[ix]
+
+    def scores(self, i0, i1, j0, j1):
+        c = self.c
+        cdt = c.p.cdt
+        qt, kt = self.Qc[..., i0:i1, :], self.Kc[..., j0:j1, :]
+        cb = qt.shape[:-2]
+        n = math.prod(cb)
+        self.qa = np.ascontiguousarray(qt).reshape(n, i1 - i0, qt.shape[-1])
+        self.ka = np.ascontiguousarray(kt).reshape(n, j1 - j0, kt.shape[-1])
+        s = np.empty((n, i1 - i0, j1 - j0), cdt)
+        rc, prc = _scores.plugin_tiles(self.fn, self.packed, self.qa, self.ka, s)
+        if rc:
+            _raise_kernel(rc, prc, c.sim, c)
+        if np.isnan(s).any() or np.isposinf(s).any():
+            raise ValueError(
+                f"similarity {c.sim.name!r}: score returned NaN or +inf values (only -inf, "
+                f"'may not attend', is allowed){_nonfinite_inputs(c.q, c.k)}")
+        return s.reshape(cb + s.shape[1:])
+
+    def backward(self, i0, i1, j0, j1, ds):
+        c = self.c
+        qa, ka = self.qa, self.ka
+        gs = np.ascontiguousarray(ds, dtype=c.p.cdt).reshape(qa.shape[0], qa.shape[1],
+                                                             ka.shape[1])
+        dq, dk = np.zeros(qa.shape, qa.dtype), np.zeros(ka.shape, ka.dtype)
+        rc, prc = _scores.plugin_tiles_backward(self.bfn, self.packed, qa, ka, gs, dq, dk,
+                                                self.dpacked)
+        if rc:
+            raise SimilarityError(
+                f"similarity {c.sim.name!r}: the compiled score_backward function returned "
+                f"error code {prc}")
+        cb = ds.shape[:-2]
+        self.dqc[..., i0:i1, :] += dq.reshape(cb + dq.shape[1:])
+        self.dkc[..., j0:j1, :] += dk.reshape(cb + dk.shape[1:])
 
 
 class _AdditiveTiles:

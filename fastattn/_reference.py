@@ -738,3 +738,17 @@ def score_neg_sq_dist_vjp(q, k, gamma=1.0):
         w = ds[..., None] * diff
         return -2 * gamma * w.sum(axis=-2), 2 * gamma * w.sum(axis=-3), {"gamma": -np.sum(ds * sq)}
     return -gamma * sq, vjp
+
+
+def score_neg_l1_vjp(q, k, gamma=1.0):
+    """S = -gamma sum_c |q_ic - k_jc|: dq_i = -gamma sum_j dS_ij sign(q_i - k_j),
+    dk_j = gamma sum_i dS_ij sign(q_i - k_j), dgamma = -sum dS_ij |q_i - k_j|_1
+    (sign(0) = 0)."""
+    q, k = _f64(q, k)
+    diff = q[..., :, None, :] - k[..., None, :, :]
+    l1 = np.sum(np.abs(diff), axis=-1)
+
+    def vjp(ds):
+        w = ds[..., None] * np.sign(diff)
+        return -gamma * w.sum(axis=-2), gamma * w.sum(axis=-3), {"gamma": -np.sum(ds * l1)}
+    return -gamma * l1, vjp

@@ -19,7 +19,9 @@ from fastattn._cargs cimport fa_tiled_args, fill_layout, layout_bufs
 from fastattn._interrupt cimport interrupt_arm, interrupt_raise, interrupt_state, thread_ident
 
 from fastattn.plugin cimport (FASTATTN_PLUGIN_ABI_VERSION, FASTATTN_PLUGIN_CAPSULE_NAME,
-                              fastattn_score_f32, fastattn_score_f64, fastattn_score_plugin)
+                              FASTATTN_PLUGIN_CAPSULE_NAME_V1, fastattn_score_backward_f32,
+                              fastattn_score_backward_f64, fastattn_score_f32, fastattn_score_f64,
+                              fastattn_score_plugin)
 
 cnp.import_array()
 
@@ -65,6 +67,7 @@ globals()["FA_ESCORE"] = FA_ESCORE
 globals()["FA_ENONFINITE"] = FA_ENONFINITE
 PLUGIN_ABI_VERSION = FASTATTN_PLUGIN_ABI_VERSION
 PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
+PLUGIN_CAPSULE_NAME_V1 = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME_V1).decode()
 
 
 fa_add_set_blas(<fa_sgemm_fn>sgemm, <fa_dgemm_fn>dgemm, NULL)
@@ -138,15 +141,105 @@ def simd_active():
     return bool(fa_simd_active())
 
 
-def capsule_info(object cap, bytes name):
-    """(abi_version, score_f32 address, score_f64 address), or None when cap is
-    not a PyCapsule of that name."""
-    if not PyCapsule_IsValid(cap, name):
+def capsule_info(object cap):
+    """(capsule version, abi_version, score_f32, score_f64, score_backward_f32,
+    score_backward_f64) -- the addresses, 0 for NULL -- of a PyCapsule named
+    FASTATTN_PLUGIN_CAPSULE_NAME (version 2) or FASTATTN_PLUGIN_CAPSULE_NAME_V1
+    (version 1: a struct without the backward fields, which are not read);
+    None for anything else."""
+    cdef const fastattn_score_plugin *p
+    cdef int version
+    if PyCapsule_IsValid(cap, FASTATTN_PLUGIN_CAPSULE_NAME):
+        version = 2
+        p = <const fastattn_score_plugin *>PyCapsule_GetPointer(cap, FASTATTN_PLUGIN_CAPSULE_NAME)
+    elif PyCapsule_IsValid(cap, FASTATTN_PLUGIN_CAPSULE_NAME_V1):
+        version = 1
+        p = <const fastattn_score_plugin *>PyCapsule_GetPointer(cap, FASTATTN_PLUGIN_CAPSULE_NAME_V1)
+    else:
         return None
-    cdef const fastattn_score_plugin *p = <const fastattn_score_plugin *>PyCapsule_GetPointer(cap, name)
     if p == NULL:
         return None
-    return (p.abi_version, <uintptr_t>p.score_f32, <uintptr_t>p.score_f64)
+    if version == 1 or p.abi_version != 2:  # a version 1 struct ends after score_f64
+        return (version, p.abi_version, <uintptr_t>p.score_f32, <uintptr_t>p.score_f64, 0, 0)
+    return (version, p.abi_version, <uintptr_t>p.score_f32, <uintptr_t>p.score_f64,
+            <uintptr_t>p.score_backward_f32, <uintptr_t>p.score_backward_f64)
+
+
+def plugin_tiles(uintptr_t fn, cnp.ndarray packed, cnp.ndarray q, cnp.ndarray k,
+                 cnp.ndarray s):
+    """s[b] = score(q[b], k[b]) for every b: q (n, tq, d), k (n, tk, d),
+    s (n, tq, tk), C-contiguous, one float dtype, d, tq, tk >= 1; fn the
+    plugin's score function of that dtype.  Returns (0, 0) or (FA_ESCORE,
+    the plugin's code)."""
+    cdef int64_t n = cnp.PyArray_DIMS(q)[0], tq = cnp.PyArray_DIMS(q)[1]
+    cdef int64_t d = cnp.PyArray_DIMS(q)[2], tk = cnp.PyArray_DIMS(k)[1]
+    cdef const void *pp = cnp.PyArray_DATA(packed)
+    cdef int64_t b
+    cdef int rc = 0
+    cdef fastattn_score_f32 f32 = <fastattn_score_f32>fn
+    cdef fastattn_score_f64 f64 = <fastattn_score_f64>fn
+    cdef char *qp = <char *>cnp.PyArray_DATA(q)
+    cdef char *kp = <char *>cnp.PyArray_DATA(k)
+    cdef char *sp = <char *>cnp.PyArray_DATA(s)
+    cdef bint single = cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    with nogil:
+        for b in range(n):
+            if single:
+                rc = f32(pp, <const float *>(qp + b * tq * d * item), d,
+                         <const float *>(kp + b * tk * d * item), d, tq, tk, d,
+                         <float *>(sp + b * tq * tk * item), tk)
+            else:
+                rc = f64(pp, <const double *>(qp + b * tq * d * item), d,
+                         <const double *>(kp + b * tk * d * item), d, tq, tk, d,
+                         <double *>(sp + b * tq * tk * item), tk)
+            if rc:
+                break
+    if rc:
+        return (int(FA_ESCORE), int(rc))
+    return (0, 0)
+
+
+def plugin_tiles_backward(uintptr_t fn, cnp.ndarray packed, cnp.ndarray q, cnp.ndarray k,
+                          cnp.ndarray g, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dparams):
+    """The plugin's score_backward on every b: q, dq (n, tq, d), k, dk (n, tk,
+    d), g (n, tq, tk), C-contiguous, one float dtype; dparams float64 with one
+    element per element of packed, C-contiguous.  It adds into dq, dk and
+    dparams.  Returns (0, 0) or (FA_ESCORE, the plugin's code)."""
+    cdef int64_t n = cnp.PyArray_DIMS(q)[0], tq = cnp.PyArray_DIMS(q)[1]
+    cdef int64_t d = cnp.PyArray_DIMS(q)[2], tk = cnp.PyArray_DIMS(k)[1]
+    cdef const void *pp = cnp.PyArray_DATA(packed)
+    cdef double *dpp = <double *>cnp.PyArray_DATA(dparams)
+    cdef int64_t b
+    cdef int rc = 0
+    cdef fastattn_score_backward_f32 f32 = <fastattn_score_backward_f32>fn
+    cdef fastattn_score_backward_f64 f64 = <fastattn_score_backward_f64>fn
+    cdef char *qp = <char *>cnp.PyArray_DATA(q)
+    cdef char *kp = <char *>cnp.PyArray_DATA(k)
+    cdef char *gp = <char *>cnp.PyArray_DATA(g)
+    cdef char *dqp = <char *>cnp.PyArray_DATA(dq)
+    cdef char *dkp = <char *>cnp.PyArray_DATA(dk)
+    cdef bint single = cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT32
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(q)
+    with nogil:
+        for b in range(n):
+            if single:
+                rc = f32(pp, <const float *>(qp + b * tq * d * item), d,
+                         <const float *>(kp + b * tk * d * item), d, tq, tk, d,
+                         <const float *>(gp + b * tq * tk * item), tk,
+                         <float *>(dqp + b * tq * d * item), d,
+                         <float *>(dkp + b * tk * d * item), d, dpp)
+            else:
+                rc = f64(pp, <const double *>(qp + b * tq * d * item), d,
+                         <const double *>(kp + b * tk * d * item), d, tq, tk, d,
+                         <const double *>(gp + b * tq * tk * item), tk,
+                         <double *>(dqp + b * tq * d * item), d,
+                         <double *>(dkp + b * tk * d * item), d, dpp)
+            if rc:
+                break
+    if rc:
+        return (int(FA_ESCORE), int(rc))
+    return (0, 0)
 
 
 def selftest_capsule():

@@ -54,13 +54,17 @@ __all__ = [
     "ConcatSimilarity",
     "CosineSimilarity",
     "PLUGIN_CAPSULE_NAME",
+    "PLUGIN_CAPSULE_NAME_V1",
     "PLUGIN_ABI_VERSION",
 ]
 
-#: Name the PyCapsule of a compiled plugin must carry (see csrc/fastattn_plugin.h).
-PLUGIN_CAPSULE_NAME = "fastattn.score_plugin.v1"
-#: ``abi_version`` field the plugin struct must hold.
-PLUGIN_ABI_VERSION = 1
+#: Name the PyCapsule of a compiled plugin carries (see csrc/fastattn_plugin.h).
+PLUGIN_CAPSULE_NAME = "fastattn.score_plugin.v2"
+#: ``abi_version`` field of such a plugin's struct.
+PLUGIN_ABI_VERSION = 2
+#: The capsule name of a plugin built against version 1 of the ABI (abi_version
+#: 1, no backward entry): still accepted, forward only.
+PLUGIN_CAPSULE_NAME_V1 = "fastattn.score_plugin.v1"
 
 _NO_DEFAULT = object()
 
@@ -376,11 +380,20 @@ class CompiledSimilarity(Similarity):
     """A similarity whose score tiles come from C (see ``csrc/fastattn_plugin.h``).
 
     Subclasses set ``capsule`` to a ``PyCapsule`` named
-    ``"fastattn.score_plugin.v1"`` wrapping a ``fastattn_score_plugin``
-    struct, and may override :meth:`pack_params`, whose array's data pointer
-    is passed to the C function as ``params``.  The C function is called from
-    fastattn's worker threads without the GIL.  ``score`` (NumPy) is
-    optional; it is not used by :func:`fastattn.attention`.
+    ``"fastattn.score_plugin.v2"`` (ABI version 2; a version 1 plugin's
+    ``"fastattn.score_plugin.v1"`` still works, forward only) wrapping a
+    ``fastattn_score_plugin`` struct, and may override :meth:`pack_params`,
+    whose array's data pointer is passed to the C functions as ``params``.
+    The C functions are called from fastattn's worker threads without the
+    GIL.  ``score`` (NumPy) is optional; it is not used by
+    :func:`fastattn.attention`.
+
+    A version 2 plugin may fill in ``score_backward_f32`` / ``_f64``;
+    :func:`fastattn.functional.attention_backward` then calls them on each
+    score tile, and :meth:`unpack_param_grads` turns the gradient of the
+    packed array into the named parameters' gradients.  Without them, a
+    NumPy ``score`` and ``score_backward`` defined on the subclass are used;
+    with neither, attention_backward raises NotImplementedError.
     """
 
     capsule = None
@@ -395,6 +408,31 @@ class CompiledSimilarity(Similarity):
         return np.ascontiguousarray(
             np.concatenate([np.ravel(np.asarray(params[n], dtype=np.float64))
                             for n in (self.params_spec or params) if n in params]))
+
+    def unpack_param_grads(self, grad_packed, params, d) -> dict:
+        """The gradients of the named parameters from ``grad_packed``, the
+        float64 gradient of the array :meth:`pack_params` returned (one
+        element per element of it), as the C ``score_backward`` accumulated
+        it.  The default inverts the default :meth:`pack_params`: consecutive
+        slices, in ``params_spec`` order, each reshaped to its parameter's
+        shape.  Override it together with ``pack_params``."""
+        if not params:
+            return {}
+        out, at = {}, 0
+        for n in (self.params_spec or params):
+            if n not in params:
+                continue
+            shape = np.shape(params[n])
+            size = int(np.prod(shape, dtype=np.int64))
+            out[n] = grad_packed[at:at + size].reshape(shape)
+            at += size
+        if at != grad_packed.size:
+            raise ValueError(
+                f"similarity {self.name!r}: unpack_param_grads got a packed gradient of "
+                f"{grad_packed.size} elements, the parameters have {at}; a class that "
+                "overrides pack_params with another layout must override unpack_param_grads "
+                "too")
+        return out
 
 
 # ------------------------------------------------------------------ built-ins

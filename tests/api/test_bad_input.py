@@ -782,8 +782,11 @@ def test_row13_invalid_similarity_objects():
         name = "no_capsule"
         capsule = "not a capsule"
 
-    with pytest.raises(TypeError, match=r"similarity 'no_capsule': capsule must be a PyCapsule named 'fastattn.score_plugin.v1'"):
+    with pytest.raises(TypeError, match=r"similarity 'no_capsule': capsule must be a PyCapsule named 'fastattn.score_plugin.v2'"):
         fastattn.attention(q, k, v, NoCapsule())
+    g = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    with pytest.raises(TypeError, match=r"similarity 'no_capsule': capsule must be a PyCapsule named 'fastattn.score_plugin.v2'"):
+        fastattn.functional.attention_backward(g, q, k, v, NoCapsule(), out=g, lse=g[..., 0])
 
 
 # ======================================================================

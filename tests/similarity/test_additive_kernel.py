@@ -221,14 +221,16 @@ class _Fake(CompiledSimilarity):
 def test_capsule_errors(rng):
     q, k, v = randn(rng, (3, 4)), randn(rng, (5, 4)), randn(rng, (5, 2))
     with pytest.raises(TypeError, match=r"similarity 'fake_compiled': capsule must be a "
-                                        r"PyCapsule named 'fastattn.score_plugin.v1', got int"):
+                                        r"PyCapsule named 'fastattn.score_plugin.v2' \(or a "
+                                        r"version 1 plugin's 'fastattn.score_plugin.v1'\), got int"):
         fastattn.attention(q, k, v, _Fake(3))
     cap, keep = _fake_capsule(1, None, None, name=b"other.name")
     with pytest.raises(TypeError, match=r"capsule must be a PyCapsule named"):
         fastattn.attention(q, k, v, _Fake(cap))
-    _, f32, f64 = _scores.capsule_info(_scores.selftest_capsule(), b"fastattn.score_plugin.v1")
+    _, _, f32, f64, _, _ = _scores.capsule_info(_scores.selftest_capsule())
     cap, keep = _fake_capsule(99, f32, f64)
-    with pytest.raises(TypeError, match=r"plugin ABI version 99, this fastattn expects 1"):
+    with pytest.raises(TypeError, match=r"plugin ABI version 99 in a capsule named "
+                                        r"'fastattn.score_plugin.v1', this fastattn expects 1"):
         fastattn.attention(q, k, v, _Fake(cap))
     cap, keep = _fake_capsule(1, f32, None)
     with pytest.raises(TypeError, match=r"the plugin has no float64 score function"):

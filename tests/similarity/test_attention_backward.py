@@ -23,6 +23,7 @@ from fastattn._attention import SimilarityError
 from fastattn.functional import attention_backward
 from fastattn.similarity import AdditiveSimilarity, DotSimilarity, Similarity
 
+import test_plugin_backward
 from support import assert_close, randn
 from test_similarity import MASKS, NegSqDist, make_mask
 
@@ -45,8 +46,8 @@ class NegSqDistBwd(NegSqDist):
 
 
 SIMS = ["dot", "scaled_dot", "scaled_dot_s", "general", "additive", "additive_norm", "concat",
-        "cosine", "numpy_plugin"]
-SAME_DIMS = {"dot", "scaled_dot", "scaled_dot_s", "cosine", "numpy_plugin"}
+        "cosine", "numpy_plugin", "compiled_plugin"]
+SAME_DIMS = {"dot", "scaled_dot", "scaled_dot_s", "cosine", "numpy_plugin", "compiled_plugin"}
 
 
 def dims(name):
@@ -91,6 +92,14 @@ def make_case(name, dtype, d_q, d_k, rng, d_a=5):
     if name == "numpy_plugin":
         return NegSqDistBwd(), {"gamma": 0.25}, \
             lambda q, k: R.score_neg_sq_dist_vjp(q, k, f(0.25)), {"gamma"}
+    if name == "compiled_plugin":
+        # fastattn's C self-test plugin (ABI version 2: a C score_backward);
+        # its "mode" parameter only selects failures and gets a zero gradient
+        def vjp(q, k):
+            s, inner = R.score_neg_sq_dist_vjp(q, k, f(0.25))
+            return s, lambda ds: (lambda dq, dk, dp: (dq, dk, {**dp, "mode": 0.0}))(*inner(ds))
+        return fastattn.testing.selftest_similarity(), {"gamma": 0.25, "mode": 0.0}, vjp, \
+            {"gamma", "mode"}
     raise AssertionError(name)
 
 
@@ -211,7 +220,7 @@ def torch_scores(name, q, k, tp):
         F = T.nn.functional
         return tp["beta"] * (F.normalize(q, dim=-1, eps=1e-12)
                              @ F.normalize(k, dim=-1, eps=1e-12).transpose(-1, -2))
-    if name == "numpy_plugin":
+    if name in ("numpy_plugin", "compiled_plugin"):
         return -tp["gamma"] * ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1)
     raise AssertionError(name)
 
@@ -231,7 +240,8 @@ def torch_grads(name, g, q, k, v, params, mask, causal, align):
         s = s.masked_fill(forbid, -np.inf)
     o = torch.softmax(s, dim=-1) @ tv
     o.backward(torch.tensor(g))
-    return [t.grad.numpy() for t in (tq, tk, tv)], {n: t.grad.numpy() for n, t in tp.items()}
+    return [t.grad.numpy() for t in (tq, tk, tv)], \
+        {n: np.zeros(t.shape) if t.grad is None else t.grad.numpy() for n, t in tp.items()}
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "float", "causal_br", "padding"])
@@ -443,7 +453,8 @@ def test_dtypes(sim_name, rng):
     assert all(np.all(np.isfinite(a)) for a in (dq, dk, dv, *dp.values()))
 
 
-@pytest.mark.parametrize("sim_name", ["dot", "general", "cosine", "additive", "numpy_plugin"])
+@pytest.mark.parametrize("sim_name", ["dot", "general", "cosine", "additive", "numpy_plugin",
+                                      "compiled_plugin"])
 def test_empty_sizes(sim_name, rng):
     d_q, d_k = dims(sim_name)
     sim, params, vjp, names = make_case(sim_name, np.float64, d_q, d_k, rng)
@@ -456,7 +467,7 @@ def test_empty_sizes(sim_name, rng):
         assert all(np.all(a == 0) for a in (*got[:3], *got[3].values()))
 
 
-@pytest.mark.parametrize("sim_name", ["general", "additive"])
+@pytest.mark.parametrize("sim_name", ["general", "additive", "compiled_plugin"])
 def test_same_bits_for_any_thread_count(sim_name, rng):
     d_q, d_k = dims(sim_name)
     sim, params, _, _ = make_case(sim_name, np.float32, d_q, d_k, rng)
@@ -538,8 +549,6 @@ def test_similarities_without_a_backward_raise_not_implemented(rng):
         attention_backward(g, q, q, q, RescoredAdditive(), out=out, lse=lse,
                            params=make_case("additive", np.float64, 4, 4, rng)[1])
     sim = fastattn.testing.selftest_similarity()
-    with pytest.raises(NotImplementedError, match=f"'{sim.name}' has no backward .*compiled plugin"):
-        attention_backward(g, q, q, q, sim, out=out, lse=lse)
 
     class LoweredCompiled(type(sim)):
         """A compiled plugin's forward never uses a lowering, so neither does its backward."""
@@ -550,8 +559,10 @@ def test_similarities_without_a_backward_raise_not_implemented(rng):
         def _lower_backward(self, query, key, params, grads):
             return grads["query"], grads["key"], {}
 
+    lowered = LoweredCompiled()
+    lowered.capsule = test_plugin_backward.v1_capsule()  # forward only
     with pytest.raises(NotImplementedError, match="compiled plugin"):  # before any check
-        attention_backward(None, q, q, q, LoweredCompiled(), out=None, lse=None)
+        attention_backward(None, q, q, q, lowered, out=None, lse=None)
     # before any work: no score computed, and not even the arguments checked
     Counting.calls = 0
     with pytest.raises(NotImplementedError, match="'test_counting_no_backward' has no backward"):

@@ -115,6 +115,37 @@ def test_results_against_numpy_reference(plugin, dtype, mask_kind, rng):
     assert_close(w, ref_w, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_backward_against_the_oracle_and_torch(plugin, dtype, rng):
+    """The plugin's C score_backward (ABI version 2) under attention_backward:
+    against the float64 oracle, and (float64) torch autograd to 1e-10."""
+    q, k, v = randn(rng, (2, 70, 5), dtype), randn(rng, (2, 150, 5), dtype), randn(rng, (2, 150, 3), dtype)
+    g = randn(rng, (2, 70, 3), dtype)
+    mask = rng.random((70, 150)) < 0.7
+    out, lse = fastattn.attention(q, k, v, "neg_l1_distance", params={"gamma": 0.4},
+                                  attn_mask=mask, return_lse=True)
+    got = fastattn.functional.attention_backward(g, q, k, v, "neg_l1_distance",
+                                                 params={"gamma": 0.4}, out=out, lse=lse,
+                                                 attn_mask=mask)
+    gamma = float(np.dtype(dtype).type(0.4))
+    ref = R.attention_backward(g, q, k, v, lambda a, b: R.score_neg_l1_vjp(a, b, gamma), mask)
+    for a, r, x in zip(got[:3], ref[:3], (q, k, v)):
+        assert a.shape == x.shape and a.dtype == x.dtype
+        assert_close(a, r, dtype)
+    np.testing.assert_allclose(got[3]["gamma"], ref[3]["gamma"],
+                               rtol=2e-4 if dtype == "float32" else 1e-10)
+    if dtype == "float32":
+        return
+    torch = pytest.importorskip("torch")
+    tq, tk, tv, tgam = (torch.tensor(x, requires_grad=True) for x in (q, k, v, np.float64(0.4)))
+    s = -tgam * (tq[..., :, None, :] - tk[..., None, :, :]).abs().sum(-1)
+    s = s.masked_fill(~torch.tensor(mask), -np.inf)
+    (torch.softmax(s, -1) @ tv).backward(torch.tensor(g))
+    for a, t in zip(list(got[:3]) + [got[3]["gamma"]], (tq, tk, tv, tgam)):
+        b = t.grad.numpy()
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10 * np.abs(b).max())
+
+
 def test_plugin_error_code_surfaces(plugin, rng):
     q = randn(rng, (4, 3))
     with pytest.raises(SimilarityError, match=r"similarity 'neg_l1_distance': the compiled score "
