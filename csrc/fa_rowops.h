@@ -68,6 +68,17 @@ typedef struct {
     void (*gemm_pb_f64)(int64_t m, int64_t ncols, int64_t k, const double *A, int64_t lda,
                         const double *Bp, double *C, int64_t ldc, int acc,
                         const int64_t *lim, int lim_k);
+    /* The backward's elementwise steps.  ds: g[j] = p[j] * (g[j] - dr), the
+     * difference in double, then rounded; acc: acc[j] += t[j] (in double);
+     * store: y[j] = acc[j] rounded; scale: x[j] *= f. */
+    void (*bwd_ds_f32)(const float *p, float *g, double dr, int64_t n);
+    void (*bwd_ds_f64)(const double *p, double *g, double dr, int64_t n);
+    void (*bwd_acc_f32)(double *acc, const float *t, int64_t n);
+    void (*bwd_acc_f64)(double *acc, const double *t, int64_t n);
+    void (*bwd_store_f32)(float *y, const double *acc, int64_t n);
+    void (*bwd_store_f64)(double *y, const double *acc, int64_t n);
+    void (*scale_f32)(float *x, int64_t n, float f);
+    void (*scale_f64)(double *x, int64_t n, double f);
 } fa_rowops;
 
 /* Rows per block of gemm_pb (the lim granularity). */

@@ -95,6 +95,14 @@ static inline void ops_mask_bool_f64(const fa_rowops *o, double *x, const unsign
 #define ops_pack_v_f64(o, ...) (o)->pack_v_f64(__VA_ARGS__)
 #define ops_gemm_pb_f32(o, ...) (o)->gemm_pb_f32(__VA_ARGS__)
 #define ops_gemm_pb_f64(o, ...) (o)->gemm_pb_f64(__VA_ARGS__)
+#define ops_bwd_ds_f32(o, ...) (o)->bwd_ds_f32(__VA_ARGS__)
+#define ops_bwd_ds_f64(o, ...) (o)->bwd_ds_f64(__VA_ARGS__)
+#define ops_bwd_acc_f32(o, ...) (o)->bwd_acc_f32(__VA_ARGS__)
+#define ops_bwd_acc_f64(o, ...) (o)->bwd_acc_f64(__VA_ARGS__)
+#define ops_bwd_store_f32(o, ...) (o)->bwd_store_f32(__VA_ARGS__)
+#define ops_bwd_store_f64(o, ...) (o)->bwd_store_f64(__VA_ARGS__)
+#define ops_scale_f32(o, ...) (o)->scale_f32(__VA_ARGS__)
+#define ops_scale_f64(o, ...) (o)->scale_f64(__VA_ARGS__)
 
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }

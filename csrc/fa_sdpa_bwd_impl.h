@@ -32,42 +32,50 @@
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SFX)
 
-/* acc (rows x cols, row stride cols) += T (rows x cols, row stride cols) */
-static inline void FN(bwd_acc)(double *acc, const REAL *T, int64_t n)
-{
-    for (int64_t c = 0; c < n; c++)
-        acc[c] += (double)T[c];
-}
-
 /* dst (rows x cols, row stride ld) = (REAL) acc (row stride cols) */
-static inline void FN(bwd_store)(REAL *dst, int64_t ld, const double *acc, int64_t rows,
-                                 int64_t cols)
+static inline void FN(bwd_store)(const fa_rowops *ops, REAL *dst, int64_t ld, const double *acc,
+                                 int64_t rows, int64_t cols)
 {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++)
-            dst[r * ld + c] = (REAL)acc[r * cols + c];
+        FN(ops_bwd_store)(ops, dst + r * ld, acc + r * cols, cols);
 }
 
 /* acc (M x N) += alpha * op(A)(M x K) . B (K x N, row stride ldb) with the
  * reduction over K cut into products of at most FA_BWD_SUM_ROWS terms, each
  * computed into T (M x N) from zero.  transA: A is stored K x M (row stride
- * lda), else M x K. */
-static void FN(bwd_gemm_acc)(int transA, int64_t M, int64_t N, int64_t K, REAL alpha,
-                             const REAL *A, int64_t lda, const REAL *B, int64_t ldb, REAL *T,
-                             double *acc)
+ * lda), else M x K.  mcap: the chunk of terms [k0, k0+kc) contributes to the
+ * first mcap + k0 + kc rows only (causality: key row c is seen by query rows
+ * i >= c - mcap); the other rows' terms are zero and are skipped. */
+static void FN(bwd_gemm_acc)(const fa_rowops *ops, int transA, int64_t M, int64_t N, int64_t K,
+                             REAL alpha, const REAL *A, int64_t lda, const REAL *B, int64_t ldb,
+                             REAL *T, double *acc, int64_t mcap)
 {
     for (int64_t k0 = 0; k0 < K; k0 += FA_BWD_SUM_ROWS) {
         int64_t kc = K - k0 < FA_BWD_SUM_ROWS ? K - k0 : FA_BWD_SUM_ROWS;
+        int64_t me = mcap + k0 + kc;
+        me = me < 0 ? 0 : me > M ? M : me;
+        if (me == 0)
+            continue;
         const REAL *Ac = transA ? A + k0 * lda : A + k0;
-        FN(rm_gemm)(transA ? 'T' : 'N', 'N', M, N, kc, alpha, Ac, lda, B + k0 * ldb, ldb,
+        FN(rm_gemm)(transA ? 'T' : 'N', 'N', me, N, kc, alpha, Ac, lda, B + k0 * ldb, ldb,
                     (REAL)0, T, N);
-        FN(bwd_acc)(acc, T, M * N);
+        FN(ops_bwd_acc)(ops, acc, T, me * N);
     }
 }
 
+/* Allowed columns of query row i (global) in a key tile from j0 of n keys. */
+static inline int64_t FN(bwd_allowed)(const fa_sdpa_args *f, int64_t i, int64_t j0, int64_t n)
+{
+    if (!f->causal)
+        return n;
+    int64_t c = i + f->causal_offset - j0 + 1;
+    return c < 0 ? 0 : c > n ? n : c;
+}
+
 /* P = exp(S - lse) for the m x n tile S (row stride n) of query rows
- * [i0, i0+m), keys [j0, j0+n); rows with lse = -inf (no allowed key) become
- * exact zeros.  Lse points at row i0. */
+ * [i0, i0+m), keys [j0, j0+n); causally forbidden entries (which S need not
+ * hold: our products skip them) and rows with lse = -inf (no allowed key)
+ * become exact zeros.  Lse points at row i0. */
 static void FN(bwd_probs)(const fa_sdpa_args *f, const fa_rowops *ops, const unsigned char *mb,
                           const REAL *bb, const REAL *Lse, REAL *S, int64_t i0, int64_t m,
                           int64_t j0, int64_t n)
@@ -75,34 +83,48 @@ static void FN(bwd_probs)(const fa_sdpa_args *f, const fa_rowops *ops, const uns
     for (int64_t r = 0; r < m; r++) {
         REAL *s = S + r * n;
         REAL L = Lse[r];
-        if (L == (REAL)(-INFINITY)) {
-            memset(s, 0, (size_t)n * sizeof(REAL));
-            continue;
+        int64_t na = FN(bwd_allowed)(f, i0 + r, j0, n);
+        if (L == (REAL)(-INFINITY))
+            na = 0;
+        if (na > 0) {
+            FN(mask_row)(f, ops, mb, bb, s, i0 + r, j0, na);
+            if (mb || bb)
+                (void)FN(ops_expsub_masked)(ops, s, na, L);
+            else
+                (void)FN(ops_expsub)(ops, s, na, L);
         }
-        FN(mask_row)(f, ops, mb, bb, s, i0 + r, j0, n);
-        for (int64_t c = 0; c < n; c++)
-            s[c] -= L;
-        ops->CAT(exp, SFX)(s, s, n);
+        if (na < n)
+            memset(s + na, 0, (size_t)(n - na) * sizeof(REAL));
     }
 }
 
-/* dS = P o (dP - D) in place of dP (m x n, row stride n); rows with lse = -inf
- * exact zeros (whatever dP holds). */
-static void FN(bwd_dscores)(const REAL *P, REAL *dP, const double *D, const REAL *Lse,
-                            int64_t m, int64_t n)
+/* dS = P o (dP - D) in place of dP (m x n, row stride n); causally forbidden
+ * entries (dP need not hold them) and rows with lse = -inf exact zeros. */
+static void FN(bwd_dscores)(const fa_sdpa_args *f, const fa_rowops *ops, const REAL *P,
+                            REAL *dP, const double *D, const REAL *Lse, int64_t i0, int64_t m,
+                            int64_t j0, int64_t n)
 {
     for (int64_t r = 0; r < m; r++) {
         REAL *g = dP + r * n;
-        const REAL *p = P + r * n;
-        if (Lse[r] == (REAL)(-INFINITY)) {
-            memset(g, 0, (size_t)n * sizeof(REAL));
-            continue;
-        }
+        int64_t na = Lse[r] == (REAL)(-INFINITY) ? 0 : FN(bwd_allowed)(f, i0 + r, j0, n);
         /* D in double: dP - D often cancels, and D rounded to REAL was the
          * largest error of dS there */
-        const double dr = D[r];
-        for (int64_t c = 0; c < n; c++)
-            g[c] = p[c] * (REAL)((double)g[c] - dr);
+        if (na > 0)
+            FN(ops_bwd_ds)(ops, P + r * n, g, D[r], na);
+        if (na < n)
+            memset(g + na, 0, (size_t)(n - na) * sizeof(REAL));
+    }
+}
+
+/* Causal limits of our products (csrc/fa_rowops.h's lim) for the tile of
+ * query rows [i0, i0+m) and keys [j0, j0+n): row block r (FA_PACK_ROWS rows)
+ * uses the keys its last row may see. */
+static void FN(bwd_lims)(const fa_sdpa_args *f, int64_t i0, int64_t m, int64_t j0, int64_t n,
+                         int64_t *Lim)
+{
+    for (int64_t r0 = 0; r0 < m; r0 += FA_PACK_ROWS) {
+        int64_t last = r0 + FA_PACK_ROWS - 1 < m - 1 ? r0 + FA_PACK_ROWS - 1 : m - 1;
+        Lim[r0 / FA_PACK_ROWS] = FN(bwd_allowed)(f, i0 + last, j0, n);
     }
 }
 
@@ -115,6 +137,7 @@ typedef struct {
     const int64_t *gstart;   /* key blocks [gstart[g], gstart[g+1]) form group g */
     size_t need;
     size_t acc_off;          /* bytes from the scratch start to the double accumulators */
+    size_t lim_off;          /* ... to the causal limits (2 x row blocks of int64) */
     int status;
     fa_stop_poll poll;
 } FN(bjob);
@@ -204,6 +227,9 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
     REAL *vp = kp + FA_PACK_ROUND(bk) * f->d;
     REAL *kr = vp + FA_PACK_ROUND(bk) * f->dv;
     double *accK = (double *)((char *)S + j->acc_off);
+    /* causal limits of our products: for S and dP, and per dQ chunk */
+    int64_t *Lim = (int64_t *)((char *)S + j->lim_off);
+    int64_t *LimC = Lim + (bq + FA_PACK_ROWS - 1) / FA_PACK_ROWS;
     const int64_t b = t / j->ngroups, g = t % j->ngroups;
     /* the forward's products: our packed ones (f->direct) or BLAS, so that S
      * has the bits the forward's lse was computed from */
@@ -256,39 +282,63 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
                 continue;
             const REAL *Qi = Q + i0 * f->ldq;
             const REAL *Gi = G + i0 * a->ldg;
+            /* causal: a tile crossing the diagonal computes, per block of
+             * FA_PACK_ROWS query rows, only the keys those rows may see (our
+             * products; BLAS computes the whole tile), and the transposed
+             * products skip the key rows no query of a chunk sees */
+            const int diag = f->causal && i0 + f->causal_offset - j0 < n - 1;
+            const int64_t *lim = NULL;
+            if (own && diag) {
+                FN(bwd_lims)(f, i0, m, j0, n, Lim);
+                lim = Lim;
+            }
+            const int64_t mcap = f->causal ? i0 + f->causal_offset - j0 : n;
             if (own)
-                FN(ops_gemm_pb)(j->ops, m, n, f->d, Qi, f->ldq, kp, S, n, 0, NULL, 0);
+                FN(ops_gemm_pb)(j->ops, m, n, f->d, Qi, f->ldq, kp, S, n, 0, lim, 0);
             else
                 FN(rm_gemm)('N', 'T', m, n, f->d, scale, Qi, f->ldq, Kj, f->ldk, (REAL)0, S, n);
             FN(bwd_probs)(f, j->ops, mb, bb, Lse + i0, S, i0, m, j0, n);
             /* dV_j += P^T dO_i */
-            FN(bwd_gemm_acc)(1, n, f->dv, m, (REAL)1, S, n, Gi, a->ldg, T, accV);
+            FN(bwd_gemm_acc)(j->ops, 1, n, f->dv, m, (REAL)1, S, n, Gi, a->ldg, T, accV, mcap);
             /* dP = dO_i V_j^T, then dS in its place */
             if (own)
-                FN(ops_gemm_pb)(j->ops, m, n, f->dv, Gi, a->ldg, vp, dP, n, 0, NULL, 0);
+                FN(ops_gemm_pb)(j->ops, m, n, f->dv, Gi, a->ldg, vp, dP, n, 0, lim, 0);
             else
                 FN(rm_gemm)('N', 'T', m, n, f->dv, (REAL)1, Gi, a->ldg, Vj, f->ldv, (REAL)0, dP, n);
-            FN(bwd_dscores)(S, dP, D + i0, Lse + i0, m, n);
+            FN(bwd_dscores)(f, j->ops, S, dP, D + i0, Lse + i0, i0, m, j0, n);
             if (dM)
                 for (int64_t r = 0; r < m; r++)
                     memcpy(dM + (i0 + r) * a->lddm + j0, dP + r * n, (size_t)n * sizeof(REAL));
             /* dK_j += scale dS^T Q_i */
-            FN(bwd_gemm_acc)(1, n, f->d, m, scale, dP, n, Qi, f->ldq, T, accK);
+            FN(bwd_gemm_acc)(j->ops, 1, n, f->d, m, scale, dP, n, Qi, f->ldq, T, accK, mcap);
             /* dQ_i += scale dS K_j, in products of at most FA_BWD_SUM_ROWS keys */
             if (own)
-                FN(scale_row)(dP, m * n, scale);   /* dS * scale for dQ (BLAS: in alpha) */
+                FN(ops_scale)(j->ops, dP, m * n, scale);   /* dS * scale for dQ (BLAS: alpha) */
             for (int64_t c0 = 0; c0 < n; c0 += FA_BWD_SUM_ROWS) {
                 int64_t nc = n - c0 < FA_BWD_SUM_ROWS ? n - c0 : FA_BWD_SUM_ROWS;
-                if (own)
+                if (own) {
+                    const int64_t *limc = NULL;
+                    if (lim) {   /* each row block's terms in this chunk of keys */
+                        int64_t any = 0;
+                        for (int64_t rb = 0; rb < (m + FA_PACK_ROWS - 1) / FA_PACK_ROWS; rb++) {
+                            int64_t t = lim[rb] - c0;
+                            LimC[rb] = t < 0 ? 0 : t > nc ? nc : t;
+                            any |= LimC[rb];
+                        }
+                        if (!any)
+                            break;   /* later chunks: further right still */
+                        limc = LimC;
+                    }
                     FN(ops_gemm_pb)(j->ops, m, f->d, nc, dP + c0, n,
-                                    kr + c0 * FA_PACK_ROUND(f->d), dQ + i0 * lddq, lddq, 1, NULL, 0);
-                else
+                                    kr + c0 * FA_PACK_ROUND(f->d), dQ + i0 * lddq, lddq, 1, limc, 1);
+                } else {
                     FN(rm_gemm)('N', 'N', m, f->d, nc, scale, dP + c0, n, Kj + c0 * f->ldk,
                                 f->ldk, (REAL)1, dQ + i0 * lddq, lddq);
+                }
             }
         }
-        FN(bwd_store)(dKj, a->lddk, accK, n, f->d);
-        FN(bwd_store)(dVj, a->lddv, accV, n, f->dv);
+        FN(bwd_store)(j->ops, dKj, a->lddk, accK, n, f->d);
+        FN(bwd_store)(j->ops, dVj, a->lddv, accV, n, f->dv);
     }
 }
 
@@ -376,7 +426,8 @@ int FN(fa_sdpa_bwd)(const fa_sdpa_bwd_args *a)
         size_t reals = (size_t)(2 * bq * bk + mx * w + FA_PACK_ROUND(bk) * (f->d + f->dv)
                                 + FA_PACK_ROUND(f->d) * bk) * sizeof(REAL);
         j.acc_off = (reals + 63) / 64 * 64;
-        j.need = j.acc_off + (size_t)(bk * (f->d + f->dv)) * sizeof(double);
+        j.lim_off = j.acc_off + (size_t)(bk * (f->d + f->dv)) * sizeof(double);
+        j.need = j.lim_off + 2 * (size_t)((bq + FA_PACK_ROWS - 1) / FA_PACK_ROWS) * sizeof(int64_t);
     }
     j.status = FA_OK;
     fa_stop_poll_init(&j.poll, f->stop, f->stop_ctx);

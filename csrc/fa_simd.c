@@ -152,6 +152,30 @@ SCALAR_SMALL(double, f64)
 SCALAR_PACKED(float, f32)
 SCALAR_PACKED(double, f64)
 
+#define SCALAR_BWD(T, SFX)                                                                 \
+    static void bwd_ds_##SFX##_scalar(const T *p, T *g, double dr, int64_t n)              \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            g[j] = p[j] * (T)((double)g[j] - dr);                                          \
+    }                                                                                      \
+    static void bwd_acc_##SFX##_scalar(double *acc, const T *t, int64_t n)                 \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            acc[j] += (double)t[j];                                                        \
+    }                                                                                      \
+    static void bwd_store_##SFX##_scalar(T *y, const double *acc, int64_t n)               \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            y[j] = (T)acc[j];                                                              \
+    }                                                                                      \
+    static void scale_##SFX##_scalar(T *x, int64_t n, T f)                                 \
+    {                                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            x[j] *= f;                                                                     \
+    }
+SCALAR_BWD(float, f32)
+SCALAR_BWD(double, f64)
+
 static const fa_rowops scalar_ops = {
     rowmax_f32_scalar, rowmax_f64_scalar,
     expsub_sum_f32_scalar, expsub_sum_f64_scalar,
@@ -163,6 +187,10 @@ static const fa_rowops scalar_ops = {
     pack_kt_f32_scalar, pack_kt_f64_scalar,
     pack_v_f32_scalar, pack_v_f64_scalar,
     gemm_pb_f32_scalar, gemm_pb_f64_scalar,
+    bwd_ds_f32_scalar, bwd_ds_f64_scalar,
+    bwd_acc_f32_scalar, bwd_acc_f64_scalar,
+    bwd_store_f32_scalar, bwd_store_f64_scalar,
+    scale_f32_scalar, scale_f64_scalar,
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -528,6 +556,94 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #undef MUL
 #undef ADD
 
+/* The backward's elementwise steps (the same roundings as the scalar ones:
+ * one IEEE operation per step, in the same order). */
+AVX2 static void bwd_ds_f32_avx2(const float *p, float *g, double dr, int64_t n)
+{
+    const __m256d d = _mm256_set1_pd(dr);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 gv = _mm256_loadu_ps(g + j);
+        __m256d lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(gv)), d);
+        __m256d hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(gv, 1)), d);
+        __m256 diff = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+        _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), diff));
+    }
+    for (; j < n; j++)
+        g[j] = p[j] * (float)((double)g[j] - dr);
+}
+
+AVX2 static void bwd_ds_f64_avx2(const double *p, double *g, double dr, int64_t n)
+{
+    const __m256d d = _mm256_set1_pd(dr);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm256_storeu_pd(g + j, _mm256_mul_pd(_mm256_loadu_pd(p + j),
+                                              _mm256_sub_pd(_mm256_loadu_pd(g + j), d)));
+    for (; j < n; j++)
+        g[j] = p[j] * (g[j] - dr);
+}
+
+AVX2 static void bwd_acc_f32_avx2(double *acc, const float *t, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 tv = _mm256_loadu_ps(t + j);
+        _mm256_storeu_pd(acc + j, _mm256_add_pd(_mm256_loadu_pd(acc + j),
+                                                _mm256_cvtps_pd(_mm256_castps256_ps128(tv))));
+        _mm256_storeu_pd(acc + j + 4, _mm256_add_pd(_mm256_loadu_pd(acc + j + 4),
+                                                    _mm256_cvtps_pd(_mm256_extractf128_ps(tv, 1))));
+    }
+    for (; j < n; j++)
+        acc[j] += (double)t[j];
+}
+
+AVX2 static void bwd_acc_f64_avx2(double *acc, const double *t, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm256_storeu_pd(acc + j, _mm256_add_pd(_mm256_loadu_pd(acc + j), _mm256_loadu_pd(t + j)));
+    for (; j < n; j++)
+        acc[j] += t[j];
+}
+
+AVX2 static void bwd_store_f32_avx2(float *y, const double *acc, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m128 lo = _mm256_cvtpd_ps(_mm256_loadu_pd(acc + j));
+        __m128 hi = _mm256_cvtpd_ps(_mm256_loadu_pd(acc + j + 4));
+        _mm256_storeu_ps(y + j, _mm256_set_m128(hi, lo));
+    }
+    for (; j < n; j++)
+        y[j] = (float)acc[j];
+}
+
+AVX2 static void bwd_store_f64_avx2(double *y, const double *acc, int64_t n)
+{
+    memcpy(y, acc, (size_t)n * sizeof(double));
+}
+
+AVX2 static void scale_f32_avx2(float *x, int64_t n, float f)
+{
+    const __m256 fv = _mm256_set1_ps(f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), fv));
+    for (; j < n; j++)
+        x[j] *= f;
+}
+
+AVX2 static void scale_f64_avx2(double *x, int64_t n, double f)
+{
+    const __m256d fv = _mm256_set1_pd(f);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm256_storeu_pd(x + j, _mm256_mul_pd(_mm256_loadu_pd(x + j), fv));
+    for (; j < n; j++)
+        x[j] *= f;
+}
+
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
     expsub_sum_f32_avx2, expsub_sum_f64_avx2,
@@ -539,6 +655,10 @@ static const fa_rowops avx2_ops = {
     pack_kt_f32, pack_kt_f64,
     pack_v_f32, pack_v_f64,
     gemm_pb_f32, gemm_pb_f64,
+    bwd_ds_f32_avx2, bwd_ds_f64_avx2,
+    bwd_acc_f32_avx2, bwd_acc_f64_avx2,
+    bwd_store_f32_avx2, bwd_store_f64_avx2,
+    scale_f32_avx2, scale_f64_avx2,
 };
 
 /* The FMA throughput probe (fa_fma_probe): 12 independent chains, enough to
