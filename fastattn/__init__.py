@@ -16,7 +16,8 @@ except ImportError as _exc:  # pragma: no cover - depends on how it was installe
         f"Original error: {_exc}"
     ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
-from .functional import Plan, attention, explain, multi_head_attention, scaled_dot_product_attention
+from .functional import (Plan, attention, explain, merge_attention, multi_head_attention,
+                         scaled_dot_product_attention)
 from .registry import (available_similarities, get_similarity, register_similarity,
                        unregister_similarity)
 from .similarity import CompiledSimilarity, Similarity
@@ -48,6 +49,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "attention",
     "multi_head_attention",
+    "merge_attention",
     "register_similarity",
     "get_similarity",
     "available_similarities",

@@ -21,6 +21,7 @@ op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._linear import linear, linear_backward
+from ._merge import merge_attention
 from ._multihead import multi_head_attention, multi_head_attention_backward
 from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
@@ -44,6 +45,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "PreparedAttention",
+    "merge_attention",
     "linear",
     "linear_backward",
     "embedding",

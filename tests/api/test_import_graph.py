@@ -29,7 +29,7 @@ LAYERS = [
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
-    ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding"}),
+    ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge"}),
     ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity"}),
     ("registry", {"fastattn.registry"}),
     ("ops3", {"fastattn._attention"}),
@@ -41,7 +41,7 @@ LAYERS = [
                 "fastattn.layers.seq2seq", "fastattn.testing"}),
     ("package", {"fastattn"}),
     # tools on top of the public package
-    ("tools", {"fastattn._bench"}),
+    ("tools", {"fastattn._bench", "fastattn.dask"}),
     ("tools2", {"fastattn._demo"}),
     ("cli", {"fastattn.__main__"}),
 ]
