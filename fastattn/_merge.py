@@ -15,6 +15,8 @@ result up to rounding.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._validation import describe
@@ -64,7 +66,8 @@ def merge_attention(outs, lses, axis=0):
     ``(out, lse)``: out (..., Lq, dv) and lse (..., Lq), in the floating
     dtype NumPy promotion gives ``outs`` and ``lses`` (float64 for integer
     inputs).  The weights are computed in float64 and the sum formed in
-    float64, then rounded once.
+    float64, then rounded once, block of rows by block of rows (temporaries
+    of O(block), whatever the number of parts or rows).
     """
     o, o_seq = _parts(outs, "outs", axis)
     ls, l_seq = _parts(lses, "lses", axis)
@@ -93,18 +96,41 @@ def merge_attention(outs, lses, axis=0):
                          f"{o.shape}" + (" (per part)" if o_seq else ""))
     dt = np.result_type(o.dtype, ls.dtype)
     dt = dt if dt.kind == "f" else np.dtype(np.float64)
-    l64 = ls.astype(np.float64)
-    if np.isnan(l64).any() or np.isposinf(l64).any():
-        raise ValueError("lses: expected finite values or -inf (a part without keys), got NaN "
-                         "or +inf")
-    m = np.max(l64, axis=ax, keepdims=True)
-    mref = np.where(np.isneginf(m), 0.0, m)
-    w = np.exp(l64 - mref)                       # 0 for parts with lse = -inf
-    total = np.sum(w, axis=ax, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = np.squeeze(mref + np.log(total), axis=ax)  # -inf where no part saw a key
-    safe = np.where(total > 0, total, 1.0)
-    w = w / safe
-    wo = np.where(w[..., None] > 0, w[..., None] * o.astype(np.float64), 0.0)
-    out = np.sum(wo, axis=ax)
-    return out.astype(dt, copy=False), lse.astype(dt, copy=False)
+    # parts first, then rows (batch dims and queries) x dv: a view when it can be
+    o = np.moveaxis(o, ax, 0)
+    ls = np.moveaxis(ls, ax, 0)
+    P, rest = ls.shape[0], ls.shape[1:]
+    R = math.prod(rest)
+    dv = o.shape[-1]
+    o2 = o.reshape(P, R, dv)
+    l2 = ls.reshape(P, R)
+    out = np.empty((R, dv), dt)
+    lse = np.empty(R, dt)
+    # rows in blocks: the float64 temporaries stay O(block), not O(parts x rows)
+    step = max(1, _BLOCK_ELEMS // max(1, dv))
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        lb = l2[:, r0:r1].astype(np.float64)
+        if np.isnan(lb).any() or np.isposinf(lb).any():
+            raise ValueError("lses: expected finite values or -inf (a part without keys), got "
+                             "NaN or +inf")
+        m = np.max(lb, axis=0)
+        mref = np.where(np.isneginf(m), 0.0, m)
+        w = np.exp(lb - mref)                        # 0 for parts with lse = -inf
+        total = np.sum(w, axis=0)
+        with np.errstate(divide="ignore"):
+            lse[r0:r1] = mref + np.log(total)        # -inf where no part saw a key
+        w /= np.where(total > 0, total, 1.0)
+        acc = np.zeros((r1 - r0, dv), np.float64)
+        tmp = np.empty_like(acc)
+        for i in range(P):
+            wi = w[i][:, None]
+            np.multiply(o2[i, r0:r1], wi, out=tmp)
+            tmp[np.broadcast_to(wi == 0, tmp.shape)] = 0.0  # no weight, not even 0 * NaN
+            acc += tmp
+        out[r0:r1] = acc
+    return out.reshape(rest + (dv,)), lse.reshape(rest)
+
+
+# float64 elements of a row block's temporaries (256 KiB each)
+_BLOCK_ELEMS = 1 << 15
