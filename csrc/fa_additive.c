@@ -125,12 +125,23 @@ AVX2 static void tanh_f32_avx2(const float *x, float *y, int64_t n)
     }
 }
 
+/* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the order in which the
+ * four-key path below sums each key's lanes (hadd, hadd, halves), so that a
+ * score has the same bits whichever path computed it.  (Which keys of a tile
+ * take the one-key path depends on the tile's end, which under causality
+ * depends on the query block, and so on the thread count.) */
 AVX2 static inline float hsum8_f32(__m256 v)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* (l0 + l1) + (l2 + l3), the four-key path's order (see hsum8_f32) */
+AVX2 static inline double hsum4_f64(__m256d v)
+{
+    __m256d h = _mm256_hadd_pd(v, v);
+    return _mm_cvtsd_f64(_mm_add_sd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1)));
 }
 
 /* s_ij = sum_a v_a tanh(q_ia + k_ja): four keys at a time (four independent
@@ -233,8 +244,7 @@ AVX2 static int additive_score_f64_avx2(const double *v, const double *q, int64_
                 a0 = _mm256_fmadd_pd(_mm256_loadu_pd(v + c),
                                      tanh4_f64(_mm256_add_pd(_mm256_loadu_pd(qi + c),
                                                              _mm256_loadu_pd(kj + c))), a0);
-            __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a0), _mm256_extractf128_pd(a0, 1));
-            double acc = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+            double acc = hsum4_f64(a0);
             for (int64_t c = d4; c < d; c++)
                 acc += v[c] * tanh(qi[c] + kj[c]);
             si[j] = acc;
