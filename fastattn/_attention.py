@@ -945,7 +945,7 @@ def _backward_additive(c, g, o, ls):
         dvec = np.zeros(dp, np.float64)
     dqp = sum_to_shape(dqp[..., :d_a], c.q.shape[:-1] + (d_a,))
     dkp = sum_to_shape(dkp[..., :d_a], c.k.shape[:-1] + (d_a,))
-    grads = _additive_grads(c.q, c.k, wq, wk, dqp, dkp, dvec[:d_a].astype(cdt))
+    grads = _additive_grads(c.q, c.k, wq, wk, dqp, dkp, dvec[:d_a].astype(cdt), p.n_threads)
     dq, dk, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)
     return dq, dk, dv, dparams
 
