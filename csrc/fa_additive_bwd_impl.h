@@ -145,7 +145,8 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
     /* scratch: doubles, then REALs, then indices and pointers (64-byte aligned runs) */
     double *accK = (double *)base;                 /* bk x d: dkp sums of the key block */
     double *accV = accK + bk * d;                  /* bk x dv: dV sums */
-    REAL *P = (REAL *)(accV + bk * dv);            /* bq x bk probabilities (0: not allowed) */
+    double *pe = accV + bk * dv;                   /* bk: s - lse, then P, of one row */
+    REAL *P = (REAL *)(pe + bk);                   /* bq x bk probabilities (0: not allowed) */
     REAL *dP = P + bq * bk;                        /* bq x bk: dO V^T */
     REAL *Tmp = dP + bq * bk;                      /* bk x dv: P^T dO of one tile */
     REAL *T = Tmp + bk * dv;                       /* bk x d: tanh of one row's keys */
@@ -227,19 +228,20 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
                 if (na == 0)
                     continue;
                 j->tanh_rows(Q + gi * f->ldq, kr, na, d, vv, T, s);
-                /* P = exp(s + bias - lse), the forward's s */
+                /* P = exp(s + bias - lse), the forward's s (and s + bias);
+                 * the difference and exp in double */
                 if (br)
                     for (int64_t x = 0; x < na; x++)
                         s[x] += br[idx[x]];
                 for (int64_t x = 0; x < na; x++)
-                    s[x] -= L;
-                j->ops->CAT(exp, SFX)(s, s, na);
+                    pe[x] = (double)s[x] - (double)L;
+                j->ops->exp_f64(pe, pe, na);
                 /* ds = P (dP - D), D in double (dP - D often cancels) */
                 const double Dr = D[gi];
                 const REAL *dpr = dP + r * n;
                 REAL *pr = P + r * n;
                 for (int64_t x = 0; x < na; x++) {
-                    REAL p = s[x];
+                    REAL p = (REAL)pe[x];
                     pr[idx[x]] = p;
                     ds[x] = p * (REAL)((double)dpr[idx[x]] - Dr);
                 }
@@ -357,7 +359,7 @@ int FN(fa_additive_bwd)(fa_additive_bwd_args *a)
     j.gstart = gstart;
     {
         const int64_t bq = f->block_q, bk = f->block_k, d = f->d, dv = f->dv;
-        size_t bytes = (size_t)(bk * (d + dv)) * sizeof(double)
+        size_t bytes = (size_t)(bk * (d + dv + 1)) * sizeof(double)
                        + (size_t)(2 * bq * bk + bk * dv + 2 * bk * d + 2 * bk) * sizeof(REAL);
         bytes = (bytes + 63) / 64 * 64 + 64;
         bytes += (size_t)bk * (sizeof(int64_t) + 2 * sizeof(void *));
