@@ -16,9 +16,10 @@ Three ways a call runs (:func:`attention_path` says which one would):
   max and sum), so memory stays O(tile) unless weights are requested.
 
 Its backward, :func:`attention_backward`, runs SDPA's C backward for the
-``"sdpa"`` similarities (then the chain rule of their lowering) and a NumPy
-tiled backward for the others that have one (``additive``, ``concat``, a
-Python similarity with a ``score_backward``).
+``"sdpa"`` similarities (then the chain rule of their lowering), the fused C
+backward of the additive kernel for ``additive`` / ``concat``
+(``csrc/fa_additive_bwd_impl.h``) and a NumPy tiled backward for a Python
+similarity with a ``score_backward``.
 
 Masks, causality (and its alignment), fully masked rows (zeros), weights,
 ``out=`` and dtypes behave exactly as in
@@ -773,8 +774,8 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
         tile by tile from them (``P = exp(S - lse)``), never an ``Lq x Lk``
         matrix.
     n_threads : int, optional
-        Threads for the SDPA backward (dot-like similarities); the NumPy tiled
-        backward runs on the calling thread.
+        Threads for the C backwards (dot-like similarities, ``additive``,
+        ``concat``); the NumPy tiled backward runs on the calling thread.
 
     Returns
     -------
@@ -788,10 +789,12 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
     ``dot``, ``scaled_dot``, ``general`` and ``cosine`` run the C backward of
     :func:`fastattn.functional.sdpa_backward` on the queries and keys their
     forward lowered to (projected / normalised), then the chain rule;
-    ``additive``, ``concat`` and a Python similarity with a
-    :meth:`~fastattn.similarity.Similarity.score_backward` run a NumPy tiled
-    backward (``additive`` / ``concat`` project queries and keys once).  A
-    similarity without a backward (a compiled plugin, a Python similarity
+    ``additive`` and ``concat`` project queries and keys once and run the
+    fused C backward (tanh tiles recomputed, never a ``Lq x Lk x d_a``
+    array; extra memory O(batch x (Lq + Lk) x d_a); the same bits for any
+    ``n_threads``); a Python similarity with a
+    :meth:`~fastattn.similarity.Similarity.score_backward` runs a NumPy tiled
+    backward.  A similarity without a backward (a compiled plugin, a Python similarity
     without ``score_backward``) raises NotImplementedError before any work.
     """
     sim = get_similarity(similarity)
