@@ -7,7 +7,7 @@ additive (Bahdanau) attention, against torch autograd in the same run.
   ``torch.nn.GRU(batch_first=True)`` forward and ``backward`` (its CPU kernels).
 * ``additive``: B=8, Tq=Tk=256, d=d_a=128, float32.  fastattn:
   ``attention(..., "additive", return_lse=True)`` and ``attention_backward``
-  (the NumPy tiled backward); torch: ``v . tanh(q W_q^T + k W_k^T + b)`` by
+  (the fused C backward); torch: ``v . tanh(q W_q^T + k W_k^T + b)`` by
   broadcasting (the usual Bahdanau implementation, a (B, Tq, Tk, d_a) tensor),
   softmax, ``@ value`` and autograd.
 

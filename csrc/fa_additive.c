@@ -125,12 +125,24 @@ AVX2 static void tanh_f32_avx2(const float *x, float *y, int64_t n)
     }
 }
 
+/* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the order in which the
+ * four-key path below sums each key's lanes (hadd, hadd, halves), so that a
+ * score has the same bits whichever path computed it.  (Which keys of a tile
+ * take the one-key path depends on the tile's end, which under causality
+ * depends on the query block, and so on the thread count.)  The backward
+ * recomputes scores and relies on it (fa_additive_bwd_impl.h). */
 AVX2 static inline float hsum8_f32(__m256 v)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* (l0 + l1) + (l2 + l3), the four-key path's order (see hsum8_f32) */
+AVX2 static inline double hsum4_f64(__m256d v)
+{
+    __m256d h = _mm256_hadd_pd(v, v);
+    return _mm_cvtsd_f64(_mm_add_sd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1)));
 }
 
 /* s_ij = sum_a v_a tanh(q_ia + k_ja): four keys at a time (four independent
@@ -233,14 +245,331 @@ AVX2 static int additive_score_f64_avx2(const double *v, const double *q, int64_
                 a0 = _mm256_fmadd_pd(_mm256_loadu_pd(v + c),
                                      tanh4_f64(_mm256_add_pd(_mm256_loadu_pd(qi + c),
                                                              _mm256_loadu_pd(kj + c))), a0);
-            __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a0), _mm256_extractf128_pd(a0, 1));
-            double acc = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+            double acc = hsum4_f64(a0);
             for (int64_t c = d4; c < d; c++)
                 acc += v[c] * tanh(qi[c] + kj[c]);
             si[j] = acc;
         }
     }
     return 0;
+}
+
+/* ------------------------------------------ backward row kernels (AVX2) */
+
+/* fa_additive_bwd_impl.h's ab_tanh_rows: T[a] = tanh(q + kr[a]) (row stride
+ * d) and s[a] = v . T[a], with the arithmetic of additive_score_f32_avx2
+ * above (four keys at a time, the same sums): the forward's bits. */
+AVX2 static void ab_tanh_rows_avx2_f32(const float *q, const float *const *kr, int64_t na,
+                                       int64_t d, const float *v, float *T, float *s)
+{
+    const int64_t d8 = d & ~(int64_t)7;
+    int64_t a = 0;
+    for (; a + 4 <= na; a += 4) {
+        const float *ks[4] = {kr[a], kr[a + 1], kr[a + 2], kr[a + 3]};
+        float *t0 = T + a * d, *t1 = t0 + d, *t2 = t1 + d, *t3 = t2 + d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < d8; c += 8) {
+            __m256 vq = _mm256_loadu_ps(q + c), vv = _mm256_loadu_ps(v + c);
+            __m256 x0 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[0] + c)));
+            __m256 x1 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[1] + c)));
+            __m256 x2 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[2] + c)));
+            __m256 x3 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[3] + c)));
+            _mm256_storeu_ps(t0 + c, x0);
+            _mm256_storeu_ps(t1 + c, x1);
+            _mm256_storeu_ps(t2 + c, x2);
+            _mm256_storeu_ps(t3 + c, x3);
+            a0 = _mm256_fmadd_ps(vv, x0, a0);
+            a1 = _mm256_fmadd_ps(vv, x1, a1);
+            a2 = _mm256_fmadd_ps(vv, x2, a2);
+            a3 = _mm256_fmadd_ps(vv, x3, a3);
+        }
+        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        float out[4];
+        _mm_storeu_ps(out, r);
+        for (int t = 0; t < 4; t++) {
+            float *tt = T + (a + t) * d;
+            for (int64_t c = d8; c < d; c++) {
+                float x = tanhf(q[c] + ks[t][c]);
+                tt[c] = x;
+                out[t] += v[c] * x;
+            }
+            s[a + t] = out[t];
+        }
+    }
+    for (; a < na; a++) {
+        const float *kj = kr[a];
+        float *tt = T + a * d;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d8; c += 8) {
+            __m256 x = tanh8_f32(_mm256_add_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kj + c)));
+            _mm256_storeu_ps(tt + c, x);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(v + c), x, a0);
+        }
+        float acc = hsum8_f32(a0);
+        for (int64_t c = d8; c < d; c++) {
+            float x = tanhf(q[c] + kj[c]);
+            tt[c] = x;
+            acc += v[c] * x;
+        }
+        s[a] = acc;
+    }
+}
+
+/* p[0..8) += x (converted to double) */
+AVX2 static inline void acc8_f64(double *p, __m256 x)
+{
+    _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), _mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+    _mm256_storeu_pd(p + 4, _mm256_add_pd(_mm256_loadu_pd(p + 4),
+                                          _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))));
+}
+
+/* fa_additive_bwd_impl.h's ab_grad_rows: per feature, two keys at a time
+ * (independent sums), 16 features a pass, then 8, then one. */
+AVX2 static void ab_grad_rows_avx2_f32(const float *T, int64_t d, const float *ds,
+                                       float *const *dkr, int64_t na, double *hq, double *dw)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) {
+        __m256 h0 = _mm256_setzero_ps(), h1 = h0, h2 = h0, h3 = h0;
+        __m256 w0 = h0, w1 = h0, w2 = h0, w3 = h0;
+        int64_t a = 0;
+        for (; a + 2 <= na; a += 2) {
+            const float *ta = T + a * d + c, *tb = ta + d;
+            float *ka = dkr[a] + c, *kb = dkr[a + 1] + c;
+            __m256 sa = _mm256_broadcast_ss(ds + a), sb = _mm256_broadcast_ss(ds + a + 1);
+            __m256 xa0 = _mm256_loadu_ps(ta), xa1 = _mm256_loadu_ps(ta + 8);
+            __m256 xb0 = _mm256_loadu_ps(tb), xb1 = _mm256_loadu_ps(tb + 8);
+            __m256 ea0 = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa0, xa0, one));
+            __m256 ea1 = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa1, xa1, one));
+            __m256 eb0 = _mm256_mul_ps(sb, _mm256_fnmadd_ps(xb0, xb0, one));
+            __m256 eb1 = _mm256_mul_ps(sb, _mm256_fnmadd_ps(xb1, xb1, one));
+            h0 = _mm256_add_ps(h0, ea0);
+            h1 = _mm256_add_ps(h1, ea1);
+            h2 = _mm256_add_ps(h2, eb0);
+            h3 = _mm256_add_ps(h3, eb1);
+            _mm256_storeu_ps(ka, _mm256_add_ps(_mm256_loadu_ps(ka), ea0));
+            _mm256_storeu_ps(ka + 8, _mm256_add_ps(_mm256_loadu_ps(ka + 8), ea1));
+            _mm256_storeu_ps(kb, _mm256_add_ps(_mm256_loadu_ps(kb), eb0));
+            _mm256_storeu_ps(kb + 8, _mm256_add_ps(_mm256_loadu_ps(kb + 8), eb1));
+            w0 = _mm256_fmadd_ps(sa, xa0, w0);
+            w1 = _mm256_fmadd_ps(sa, xa1, w1);
+            w2 = _mm256_fmadd_ps(sb, xb0, w2);
+            w3 = _mm256_fmadd_ps(sb, xb1, w3);
+        }
+        if (a < na) {
+            const float *ta = T + a * d + c;
+            float *ka = dkr[a] + c;
+            __m256 sa = _mm256_broadcast_ss(ds + a);
+            __m256 xa0 = _mm256_loadu_ps(ta), xa1 = _mm256_loadu_ps(ta + 8);
+            __m256 ea0 = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa0, xa0, one));
+            __m256 ea1 = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa1, xa1, one));
+            h0 = _mm256_add_ps(h0, ea0);
+            h1 = _mm256_add_ps(h1, ea1);
+            _mm256_storeu_ps(ka, _mm256_add_ps(_mm256_loadu_ps(ka), ea0));
+            _mm256_storeu_ps(ka + 8, _mm256_add_ps(_mm256_loadu_ps(ka + 8), ea1));
+            w0 = _mm256_fmadd_ps(sa, xa0, w0);
+            w1 = _mm256_fmadd_ps(sa, xa1, w1);
+        }
+        acc8_f64(hq + c, _mm256_add_ps(h0, h2));
+        acc8_f64(hq + c + 8, _mm256_add_ps(h1, h3));
+        acc8_f64(dw + c, _mm256_add_ps(w0, w2));
+        acc8_f64(dw + c + 8, _mm256_add_ps(w1, w3));
+    }
+    for (; c + 8 <= d; c += 8) {
+        __m256 h0 = _mm256_setzero_ps(), h1 = h0, w0 = h0, w1 = h0;
+        int64_t a = 0;
+        for (; a + 2 <= na; a += 2) {
+            const float *ta = T + a * d + c, *tb = ta + d;
+            float *ka = dkr[a] + c, *kb = dkr[a + 1] + c;
+            __m256 sa = _mm256_broadcast_ss(ds + a), sb = _mm256_broadcast_ss(ds + a + 1);
+            __m256 xa = _mm256_loadu_ps(ta), xb = _mm256_loadu_ps(tb);
+            __m256 ea = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa, xa, one));
+            __m256 eb = _mm256_mul_ps(sb, _mm256_fnmadd_ps(xb, xb, one));
+            h0 = _mm256_add_ps(h0, ea);
+            h1 = _mm256_add_ps(h1, eb);
+            _mm256_storeu_ps(ka, _mm256_add_ps(_mm256_loadu_ps(ka), ea));
+            _mm256_storeu_ps(kb, _mm256_add_ps(_mm256_loadu_ps(kb), eb));
+            w0 = _mm256_fmadd_ps(sa, xa, w0);
+            w1 = _mm256_fmadd_ps(sb, xb, w1);
+        }
+        if (a < na) {
+            float *ka = dkr[a] + c;
+            __m256 sa = _mm256_broadcast_ss(ds + a);
+            __m256 xa = _mm256_loadu_ps(T + a * d + c);
+            __m256 ea = _mm256_mul_ps(sa, _mm256_fnmadd_ps(xa, xa, one));
+            h0 = _mm256_add_ps(h0, ea);
+            _mm256_storeu_ps(ka, _mm256_add_ps(_mm256_loadu_ps(ka), ea));
+            w0 = _mm256_fmadd_ps(sa, xa, w0);
+        }
+        acc8_f64(hq + c, _mm256_add_ps(h0, h1));
+        acc8_f64(dw + c, _mm256_add_ps(w0, w1));
+    }
+    for (; c < d; c++) {
+        float h = 0, w = 0;
+        for (int64_t a = 0; a < na; a++) {
+            float t = T[a * d + c];
+            float e = ds[a] * (1.0f - t * t);
+            h += e;
+            dkr[a][c] += e;
+            w += ds[a] * t;
+        }
+        hq[c] += (double)h;
+        dw[c] += (double)w;
+    }
+}
+
+/* the double versions: as additive_score_f64_avx2 / the float ones above */
+AVX2 static void ab_tanh_rows_avx2_f64(const double *q, const double *const *kr, int64_t na,
+                                       int64_t d, const double *v, double *T, double *s)
+{
+    const int64_t d4 = d & ~(int64_t)3;
+    int64_t a = 0;
+    for (; a + 4 <= na; a += 4) {
+        const double *ks[4] = {kr[a], kr[a + 1], kr[a + 2], kr[a + 3]};
+        double *t0 = T + a * d, *t1 = t0 + d, *t2 = t1 + d, *t3 = t2 + d;
+        __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < d4; c += 4) {
+            __m256d vq = _mm256_loadu_pd(q + c), vv = _mm256_loadu_pd(v + c);
+            __m256d x0 = tanh4_f64(_mm256_add_pd(vq, _mm256_loadu_pd(ks[0] + c)));
+            __m256d x1 = tanh4_f64(_mm256_add_pd(vq, _mm256_loadu_pd(ks[1] + c)));
+            __m256d x2 = tanh4_f64(_mm256_add_pd(vq, _mm256_loadu_pd(ks[2] + c)));
+            __m256d x3 = tanh4_f64(_mm256_add_pd(vq, _mm256_loadu_pd(ks[3] + c)));
+            _mm256_storeu_pd(t0 + c, x0);
+            _mm256_storeu_pd(t1 + c, x1);
+            _mm256_storeu_pd(t2 + c, x2);
+            _mm256_storeu_pd(t3 + c, x3);
+            a0 = _mm256_fmadd_pd(vv, x0, a0);
+            a1 = _mm256_fmadd_pd(vv, x1, a1);
+            a2 = _mm256_fmadd_pd(vv, x2, a2);
+            a3 = _mm256_fmadd_pd(vv, x3, a3);
+        }
+        __m256d h0 = _mm256_hadd_pd(a0, a1), h1 = _mm256_hadd_pd(a2, a3);
+        __m256d u = _mm256_add_pd(_mm256_permute2f128_pd(h0, h1, 0x20),
+                                  _mm256_permute2f128_pd(h0, h1, 0x31));
+        double out[4];
+        _mm256_storeu_pd(out, u);
+        for (int t = 0; t < 4; t++) {
+            double *tt = T + (a + t) * d;
+            for (int64_t c = d4; c < d; c++) {
+                double x = tanh(q[c] + ks[t][c]);
+                tt[c] = x;
+                out[t] += v[c] * x;
+            }
+            s[a + t] = out[t];
+        }
+    }
+    for (; a < na; a++) {
+        const double *kj = kr[a];
+        double *tt = T + a * d;
+        __m256d a0 = _mm256_setzero_pd();
+        for (int64_t c = 0; c < d4; c += 4) {
+            __m256d x = tanh4_f64(_mm256_add_pd(_mm256_loadu_pd(q + c), _mm256_loadu_pd(kj + c)));
+            _mm256_storeu_pd(tt + c, x);
+            a0 = _mm256_fmadd_pd(_mm256_loadu_pd(v + c), x, a0);
+        }
+        double acc = hsum4_f64(a0);
+        for (int64_t c = d4; c < d; c++) {
+            double x = tanh(q[c] + kj[c]);
+            tt[c] = x;
+            acc += v[c] * x;
+        }
+        s[a] = acc;
+    }
+}
+
+AVX2 static void ab_grad_rows_avx2_f64(const double *T, int64_t d, const double *ds,
+                                       double *const *dkr, int64_t na, double *hq, double *dw)
+{
+    const __m256d one = _mm256_set1_pd(1.0);
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        __m256d h0 = _mm256_setzero_pd(), h1 = h0, h2 = h0, h3 = h0;
+        __m256d w0 = h0, w1 = h0, w2 = h0, w3 = h0;
+        int64_t a = 0;
+        for (; a + 2 <= na; a += 2) {
+            const double *ta = T + a * d + c, *tb = ta + d;
+            double *ka = dkr[a] + c, *kb = dkr[a + 1] + c;
+            __m256d sa = _mm256_broadcast_sd(ds + a), sb = _mm256_broadcast_sd(ds + a + 1);
+            __m256d xa0 = _mm256_loadu_pd(ta), xa1 = _mm256_loadu_pd(ta + 4);
+            __m256d xb0 = _mm256_loadu_pd(tb), xb1 = _mm256_loadu_pd(tb + 4);
+            __m256d ea0 = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa0, xa0, one));
+            __m256d ea1 = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa1, xa1, one));
+            __m256d eb0 = _mm256_mul_pd(sb, _mm256_fnmadd_pd(xb0, xb0, one));
+            __m256d eb1 = _mm256_mul_pd(sb, _mm256_fnmadd_pd(xb1, xb1, one));
+            h0 = _mm256_add_pd(h0, ea0);
+            h1 = _mm256_add_pd(h1, ea1);
+            h2 = _mm256_add_pd(h2, eb0);
+            h3 = _mm256_add_pd(h3, eb1);
+            _mm256_storeu_pd(ka, _mm256_add_pd(_mm256_loadu_pd(ka), ea0));
+            _mm256_storeu_pd(ka + 4, _mm256_add_pd(_mm256_loadu_pd(ka + 4), ea1));
+            _mm256_storeu_pd(kb, _mm256_add_pd(_mm256_loadu_pd(kb), eb0));
+            _mm256_storeu_pd(kb + 4, _mm256_add_pd(_mm256_loadu_pd(kb + 4), eb1));
+            w0 = _mm256_fmadd_pd(sa, xa0, w0);
+            w1 = _mm256_fmadd_pd(sa, xa1, w1);
+            w2 = _mm256_fmadd_pd(sb, xb0, w2);
+            w3 = _mm256_fmadd_pd(sb, xb1, w3);
+        }
+        if (a < na) {
+            const double *ta = T + a * d + c;
+            double *ka = dkr[a] + c;
+            __m256d sa = _mm256_broadcast_sd(ds + a);
+            __m256d xa0 = _mm256_loadu_pd(ta), xa1 = _mm256_loadu_pd(ta + 4);
+            __m256d ea0 = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa0, xa0, one));
+            __m256d ea1 = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa1, xa1, one));
+            h0 = _mm256_add_pd(h0, ea0);
+            h1 = _mm256_add_pd(h1, ea1);
+            _mm256_storeu_pd(ka, _mm256_add_pd(_mm256_loadu_pd(ka), ea0));
+            _mm256_storeu_pd(ka + 4, _mm256_add_pd(_mm256_loadu_pd(ka + 4), ea1));
+            w0 = _mm256_fmadd_pd(sa, xa0, w0);
+            w1 = _mm256_fmadd_pd(sa, xa1, w1);
+        }
+        _mm256_storeu_pd(hq + c, _mm256_add_pd(_mm256_loadu_pd(hq + c), _mm256_add_pd(h0, h2)));
+        _mm256_storeu_pd(hq + c + 4, _mm256_add_pd(_mm256_loadu_pd(hq + c + 4), _mm256_add_pd(h1, h3)));
+        _mm256_storeu_pd(dw + c, _mm256_add_pd(_mm256_loadu_pd(dw + c), _mm256_add_pd(w0, w2)));
+        _mm256_storeu_pd(dw + c + 4, _mm256_add_pd(_mm256_loadu_pd(dw + c + 4), _mm256_add_pd(w1, w3)));
+    }
+    for (; c + 4 <= d; c += 4) {
+        __m256d h0 = _mm256_setzero_pd(), h1 = h0, w0 = h0, w1 = h0;
+        int64_t a = 0;
+        for (; a + 2 <= na; a += 2) {
+            double *ka = dkr[a] + c, *kb = dkr[a + 1] + c;
+            __m256d sa = _mm256_broadcast_sd(ds + a), sb = _mm256_broadcast_sd(ds + a + 1);
+            __m256d xa = _mm256_loadu_pd(T + a * d + c), xb = _mm256_loadu_pd(T + (a + 1) * d + c);
+            __m256d ea = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa, xa, one));
+            __m256d eb = _mm256_mul_pd(sb, _mm256_fnmadd_pd(xb, xb, one));
+            h0 = _mm256_add_pd(h0, ea);
+            h1 = _mm256_add_pd(h1, eb);
+            _mm256_storeu_pd(ka, _mm256_add_pd(_mm256_loadu_pd(ka), ea));
+            _mm256_storeu_pd(kb, _mm256_add_pd(_mm256_loadu_pd(kb), eb));
+            w0 = _mm256_fmadd_pd(sa, xa, w0);
+            w1 = _mm256_fmadd_pd(sb, xb, w1);
+        }
+        if (a < na) {
+            double *ka = dkr[a] + c;
+            __m256d sa = _mm256_broadcast_sd(ds + a);
+            __m256d xa = _mm256_loadu_pd(T + a * d + c);
+            __m256d ea = _mm256_mul_pd(sa, _mm256_fnmadd_pd(xa, xa, one));
+            h0 = _mm256_add_pd(h0, ea);
+            _mm256_storeu_pd(ka, _mm256_add_pd(_mm256_loadu_pd(ka), ea));
+            w0 = _mm256_fmadd_pd(sa, xa, w0);
+        }
+        _mm256_storeu_pd(hq + c, _mm256_add_pd(_mm256_loadu_pd(hq + c), _mm256_add_pd(h0, h1)));
+        _mm256_storeu_pd(dw + c, _mm256_add_pd(_mm256_loadu_pd(dw + c), _mm256_add_pd(w0, w1)));
+    }
+    for (; c < d; c++) {
+        double h = 0, w = 0;
+        for (int64_t a = 0; a < na; a++) {
+            double t = T[a * d + c];
+            double e = ds[a] * (1.0 - t * t);
+            h += e;
+            dkr[a][c] += e;
+            w += ds[a] * t;
+        }
+        hq[c] += h;
+        dw[c] += w;
+    }
 }
 #endif
 
@@ -561,12 +890,22 @@ static inline double expo_f64(double x) { return exp(x); }
 
 #define REAL float
 #define SFX f32
+#define GEMM g_add_sgemm
+#define TANH1 tanhf
 #include "fa_additive_impl.h"
+#include "fa_additive_bwd_impl.h"
 #undef REAL
 #undef SFX
+#undef GEMM
+#undef TANH1
 
 #define REAL double
 #define SFX f64
+#define GEMM g_add_dgemm
+#define TANH1 tanh
 #include "fa_additive_impl.h"
+#include "fa_additive_bwd_impl.h"
 #undef REAL
 #undef SFX
+#undef GEMM
+#undef TANH1

@@ -59,6 +59,59 @@ typedef struct {
 int fa_tiled_attention_f32(fa_tiled_args *a);
 int fa_tiled_attention_f64(fa_tiled_args *a);
 
+/*
+ * Backward of the fused additive kernel (FlashAttention-2 style): the
+ * gradients of the projected queries and keys, of the v vector and of the
+ * values, from dO = dL/d(out), the forward's output O and its row
+ * log-sum-exp, recomputing tanh tiles (never an Lq x Lk or Lq x Lk x d array).
+ *
+ * f: the forward's arguments -- q = the projected queries qp (..., Lq, d),
+ * k = the projected keys kp (..., Lk, d), v, mask, causal as in the forward;
+ * out = O (read only); lse (batch..., Lq) as the forward wrote it (required);
+ * score_params = the v vector (d entries of the element type); weights NULL
+ * (the score functions are not used); block_q / block_k the tiles;
+ * n_threads; stop.
+ * With P_ij = exp(s_ij - lse_i) for the allowed pairs (0 for the others),
+ * t_ij = tanh(qp_i + kp_j), dP = dO V^T, D_i = rowsum(dO o O) (in double) and
+ * ds_ij = P_ij (dP_ij - D_i):
+ *     dV = P^T dO,  dqp_i = v o sum_j ds_ij (1 - t_ij^2),
+ *     dkp_j = v o sum_i ds_ij (1 - t_ij^2),  dvec = sum_ij ds_ij t_ij.
+ * dq (..., Lq, d), dk (..., Lk, d), dv (..., Lk, dv): one gradient per batch
+ * item of the broadcast batch (the caller sums broadcast dims), contiguous
+ * rows, none broadcast, none overlapping another array.  dvec: d doubles,
+ * summed over the whole batch.  delta: (batch items) x Lq doubles of scratch.
+ * ngroups (1 to FA_BWD_MAX_GROUPS): the key blocks of each batch item are
+ * split into that many runs, one task each; dq_part: scratch of ngroups x
+ * (batch items) x Lq x d doubles (each group's sums for dq), dvec_part:
+ * (batch items) x ngroups x d doubles.
+ *
+ * Pool runs: D per (item, query block); then per (item, key group) every tile
+ * (csrc/fa_additive_bwd_impl.h); then dq from the partials in group order.
+ * Every output element is summed by one task in a fixed order, so the result
+ * depends on the shapes, the tiles and ngroups, never on the thread count.
+ * A pair's score is recomputed with the forward's bits.  Pairs a mask or
+ * causality forbids are skipped (no tanh, no contribution, exact zeros);
+ * rows whose lse is -inf get exact zero gradients.  BLAS gemm for dP and dV
+ * (held at one thread).  Returns FA_OK, FA_ENOMEM, FA_EINVAL or FA_EINTR.
+ */
+typedef struct {
+    fa_tiled_args f;
+    const void *grad_out;
+    const int64_t *g_bs;
+    int64_t ldg;
+    void *dq, *dk, *dv;
+    const int64_t *dq_bs, *dk_bs, *dv_bs;
+    int64_t lddq, lddk, lddv;
+    double *dvec;
+    double *delta;
+    int64_t ngroups;
+    double *dq_part;
+    double *dvec_part;
+} fa_additive_bwd_args;
+
+int fa_additive_bwd_f32(fa_additive_bwd_args *a);
+int fa_additive_bwd_f64(fa_additive_bwd_args *a);
+
 /* Built-in additive score tile: s_ij = sum_a v[a] tanh(q_ia + k_ja), with
  * params = the v vector (d entries); q, k are the projected rows. */
 int fa_additive_score_f32(const void *params, const float *q, int64_t ldq, const float *k,

@@ -16,10 +16,11 @@ Three ways a call runs (:func:`attention_path` says which one would):
   max and sum), so memory stays O(tile) unless weights are requested.
 
 Its backward, :func:`attention_backward`, runs SDPA's C backward for the
-``"sdpa"`` similarities (then the chain rule of their lowering) and a NumPy
-tiled backward for the others that have one (``additive``, ``concat``, a
-Python similarity with a ``score_backward``, a compiled plugin with a C
-``score_backward``: ABI version 2).
+``"sdpa"`` similarities (then the chain rule of their lowering), the fused C
+backward of the additive kernel for ``additive`` / ``concat``
+(``csrc/fa_additive_bwd_impl.h``) and a NumPy tiled backward for a Python
+similarity with a ``score_backward`` and for a compiled plugin with a C
+``score_backward`` (ABI version 2: its C functions on the tiles).
 
 Masks, causality (and its alignment), fully masked rows (zeros), weights,
 ``out=`` and dtypes behave exactly as in
@@ -68,6 +69,12 @@ C_BLOCK_K = 128
 PAD = 8
 # Below this much work (score evaluations) the fused kernel runs on one thread.
 PARALLEL_MIN_WORK = 1 << 17
+# Fused C backward (csrc/fa_additive_bwd_impl.h): query rows x keys per
+# recomputed tanh tile, and at least this many (batch item, key group) tasks
+# (few batch items: each one's key blocks split into groups).
+C_BWD_BLOCK_Q = 64
+C_BWD_BLOCK_K = 32
+C_BWD_MIN_TASKS = 8
 
 
 def selftest_capsule():
@@ -790,8 +797,8 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
         tile by tile from them (``P = exp(S - lse)``), never an ``Lq x Lk``
         matrix.
     n_threads : int, optional
-        Threads for the SDPA backward (dot-like similarities); the NumPy tiled
-        backward runs on the calling thread.
+        Threads for the C backwards (dot-like similarities, ``additive``,
+        ``concat``); the NumPy tiled backward runs on the calling thread.
 
     Returns
     -------
@@ -805,12 +812,14 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
     ``dot``, ``scaled_dot``, ``general`` and ``cosine`` run the C backward of
     :func:`fastattn.functional.sdpa_backward` on the queries and keys their
     forward lowered to (projected / normalised), then the chain rule;
-    ``additive``, ``concat`` and a Python similarity with a
-    :meth:`~fastattn.similarity.Similarity.score_backward` run a NumPy tiled
-    backward (``additive`` / ``concat`` project queries and keys once); a
-    compiled plugin with a C ``score_backward`` (ABI version 2) runs that
-    tiled backward with its C functions on the tiles.  A similarity without
-    a backward (a version 1 plugin, a Python similarity without
+    ``additive`` and ``concat`` project queries and keys once and run the
+    fused C backward (tanh tiles recomputed, never a ``Lq x Lk x d_a``
+    array; extra memory O(batch x (Lq + Lk) x d_a); the same bits for any
+    ``n_threads``); a Python similarity with a
+    :meth:`~fastattn.similarity.Similarity.score_backward` runs a NumPy tiled
+    backward, and so does a compiled plugin with a C ``score_backward`` (ABI
+    version 2), with its C functions on the tiles.  A similarity without a
+    backward (a version 1 plugin, a Python similarity without
     ``score_backward``) raises NotImplementedError before any work.
     """
     sim = get_similarity(similarity)
@@ -912,10 +921,80 @@ def _backward_sdpa(c, g, o, ls):
     return dq, dk, dv, dparams
 
 
+def _additive_bwd_plan(p, d):
+    """(block_q, block_k, key groups, threads) of the fused additive backward
+    of a prepared call with at least one row, key and value feature (d: the
+    padded attention size).  The key groups follow the shapes only, never the
+    thread count, so the gradients are the same bits for any n_threads."""
+    nb = math.prod(p.batch)
+    bq = max(1, min(C_BWD_BLOCK_Q, p.Lq))
+    bk = max(1, min(C_BWD_BLOCK_K, p.Lk))
+    nkb = -(-p.Lk // bk)
+    ng = 1 if nb >= C_BWD_MIN_TASKS else max(
+        1, min(nkb, -(-C_BWD_MIN_TASKS // max(nb, 1)), _scores.BWD_MAX_GROUPS))
+    nt = p.n_threads if nb * p.Lq * p.Lk * d >= PARALLEL_MIN_WORK else 1
+    return bq, bk, ng, nt
+
+
 def _backward_additive(c, g, o, ls):
-    """``additive`` / ``concat``: the NumPy tiled backward over the projections
-    qp = q W_q^T + b and kp = k W_k^T (computed once, not per tile); the
-    weight gradients afterwards, as a few products over all rows."""
+    """``additive`` / ``concat``: the fused C backward (csrc/fa_additive_bwd_impl.h)
+    over the projections qp = q W_q^T + b and kp = k W_k^T (computed once, as
+    the forward does, zero-padded to a multiple of PAD features): it recomputes
+    the tanh tiles and returns the gradients of qp, kp, the v vector and the
+    values; the weight gradients afterwards, as a few products over all rows.
+    The NumPy tiled backward (:func:`_backward_additive_tiled`) only runs while
+    the extension is not built."""
+    if _scores is None:  # pragma: no cover - only while the extension is not built
+        return _backward_additive_tiled(c, g, o, ls)
+    _, wq, wk, b, vvec = c.lowered
+    p = c.p
+    cdt = p.cdt
+    d_a = wq.shape[0]
+    if _pad(d_a) > _validation.BLAS_INT_MAX:
+        raise ValueError(
+            f"params: attention size d_a={d_a} (padded to {_pad(d_a)}) "
+            f"exceeds the BLAS 32-bit integer range (max {_validation.BLAS_INT_MAX})")
+    _ensure_blas_hook()
+    qp = _project(c.q, wq, b, cdt, p.n_threads)
+    dp = qp.shape[-1]
+    kp = _project(c.k, wk, None, cdt, p.n_threads) if wk is not None else _pad_columns(c.k, dp, cdt)
+    nb = math.prod(p.batch)
+    if nb and p.Lq and p.Lk and p.dv:
+        vpad = np.zeros(dp, cdt)
+        vpad[:d_a] = vvec
+        if ls.dtype != cdt or (p.Lq > 1 and ls.strides[-1] != ls.itemsize) or not ls.flags.aligned:
+            ls = np.array(ls, dtype=cdt, order="C")
+        bq, bk, ng, nt = _additive_bwd_plan(p, dp)
+        dqp = np.empty(p.batch + (p.Lq, dp), cdt)
+        dkp = np.empty(p.batch + (p.Lk, dp), cdt)
+        dv = np.empty(p.batch + (p.Lk, p.dv), cdt)
+        dvec = np.empty(dp, np.float64)
+        delta = np.empty(nb * p.Lq, np.float64)
+        part = np.empty(ng * nb * p.Lq * dp, np.float64)
+        vpart = np.empty(nb * ng * dp, np.float64)
+        _scores.sync_simd(_kernels.simd_active())
+        rc = _scores.additive_backward(qp, kp, vpad, p.v, o, g, ls[..., None], p.mask,
+                                       p.mask_kind, dqp, dkp, dv, dvec, delta, part, vpart,
+                                       p.batch, p.causal, p.causal_offset, bq, bk, nt, ng)
+        if rc:
+            _raise_kernel(rc, 0, c.sim, c)
+    else:  # no output element depends on anything: zeros
+        dqp = np.zeros(p.batch + (p.Lq, dp), cdt)
+        dkp = np.zeros(p.batch + (p.Lk, dp), cdt)
+        dv = np.zeros(p.batch + (p.Lk, p.dv), cdt)
+        dvec = np.zeros(dp, np.float64)
+    dqp = sum_to_shape(dqp[..., :d_a], c.q.shape[:-1] + (d_a,))
+    dkp = sum_to_shape(dkp[..., :d_a], c.k.shape[:-1] + (d_a,))
+    grads = _additive_grads(c.q, c.k, wq, wk, dqp, dkp, dvec[:d_a].astype(cdt), p.n_threads)
+    dq, dk, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)
+    return dq, dk, dv, dparams
+
+
+def _backward_additive_tiled(c, g, o, ls):
+    """``additive`` / ``concat`` through the NumPy tiled backward (the fused
+    kernel's fallback and its cross-check in the tests): the projections
+    qp = q W_q^T + b and kp = k W_k^T once, :class:`_AdditiveTiles` on every
+    tile, the weight gradients afterwards."""
     _, wq, wk, b, vvec = c.lowered
     p = c.p
     cdt = p.cdt

@@ -10,6 +10,7 @@ FA_ENONFINITE: int
 PLUGIN_ABI_VERSION: int
 PLUGIN_CAPSULE_NAME: str
 PLUGIN_CAPSULE_NAME_V1: str
+BWD_MAX_GROUPS: int
 
 def set_blas_threads_hook(address: int) -> None: ...
 def project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray, n_threads: int) -> int: ...
@@ -27,5 +28,12 @@ def tiled_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarra
                     batch_shape: tuple[int, ...], causal: bool, causal_offset: int,
                     block_q: int, block_k: int, n_threads: int, score_kind: int,
                     score_fn: int, params: np.ndarray, check_scores: bool) -> tuple[int, int]: ...
+def additive_backward(qp: np.ndarray, kp: np.ndarray, vvec: np.ndarray, v: np.ndarray,
+                      out: np.ndarray, grad_out: np.ndarray, lse: np.ndarray,
+                      mask: np.ndarray | None, mask_kind: int, dq: np.ndarray, dk: np.ndarray,
+                      dv: np.ndarray, dvec: np.ndarray, delta: np.ndarray, dq_part: np.ndarray,
+                      dvec_part: np.ndarray, batch_shape: tuple[int, ...], causal: bool,
+                      causal_offset: int, block_q: int, block_k: int, n_threads: int,
+                      ngroups: int) -> int: ...
 def pv_acc(p: np.ndarray, v: np.ndarray, o: np.ndarray, batch_shape: tuple[int, ...]) -> None: ...
 def tanh(x: np.ndarray, y: np.ndarray) -> None: ...

@@ -57,6 +57,26 @@ cdef extern from "fa_additive.h" nogil:
     void fa_tanh_f32(const float *x, float *y, int64_t n)
     void fa_tanh_f64(const double *x, double *y, int64_t n)
     const fastattn_score_plugin *fa_selftest_plugin()
+    ctypedef struct fa_additive_bwd_args:
+        fa_tiled_args f
+        const void *grad_out
+        const int64_t *g_bs
+        int64_t ldg
+        void *dq
+        void *dk
+        void *dv
+        const int64_t *dq_bs
+        const int64_t *dk_bs
+        const int64_t *dv_bs
+        int64_t lddq, lddk, lddv
+        double *dvec
+        double *delta
+        int64_t ngroups
+        double *dq_part
+        double *dvec_part
+    int fa_additive_bwd_f32(fa_additive_bwd_args *a)
+    int fa_additive_bwd_f64(fa_additive_bwd_args *a)
+    int FA_BWD_MAX_GROUPS
     int fa_simd_active()
     void fa_simd_set_disabled(int disable)
 
@@ -66,6 +86,7 @@ globals()["FA_ENOMEM"] = FA_ENOMEM
 globals()["FA_ESCORE"] = FA_ESCORE
 globals()["FA_ENONFINITE"] = FA_ENONFINITE
 PLUGIN_ABI_VERSION = FASTATTN_PLUGIN_ABI_VERSION
+BWD_MAX_GROUPS = FA_BWD_MAX_GROUPS
 PLUGIN_CAPSULE_NAME = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME).decode()
 PLUGIN_CAPSULE_NAME_V1 = (<bytes>FASTATTN_PLUGIN_CAPSULE_NAME_V1).decode()
 
@@ -286,6 +307,80 @@ def tiled_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, in
             rc = fa_tiled_attention_f64(&a)
     interrupt_raise(&intr)
     return rc, a.score_status
+
+
+ctypedef struct _bwd_bufs:
+    int64_t gbs[32]
+    int64_t dqbs[32]
+    int64_t dkbs[32]
+    int64_t dvbs[32]
+
+
+def additive_backward(cnp.ndarray qp, cnp.ndarray kp, cnp.ndarray vvec, cnp.ndarray v,
+                      cnp.ndarray out, cnp.ndarray grad_out, cnp.ndarray lse, object mask,
+                      int mask_kind, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
+                      cnp.ndarray dvec, cnp.ndarray delta, cnp.ndarray dq_part,
+                      cnp.ndarray dvec_part, tuple batch_shape, bint causal,
+                      int64_t causal_offset, int64_t block_q, int64_t block_k, int n_threads,
+                      int64_t ngroups):
+    """Run the fused additive backward (csrc/fa_additive.h, fa_additive_bwd_args).
+    Returns the C status code.
+
+    qp (..., Lq, d), kp (..., Lk, d): the projected queries and keys; vvec: the
+    v vector (d,), C-contiguous; v, mask as for :func:`tiled_attention`; out and
+    grad_out (..., Lq, dv); lse (..., Lq, 1) with a unit row stride; dq (..., Lq,
+    d), dk (..., Lk, d), dv (..., Lk, dv): full-batch outputs, each of its own
+    memory; dvec: (d,) float64 output; scratch, contiguous float64: delta items
+    x Lq, dq_part ngroups x items x Lq x d, dvec_part items x ngroups x d.  One
+    float dtype; d, dv >= 1; last axes contiguous, BLAS-valid row strides.
+    """
+    cdef fa_additive_bwd_args a
+    cdef layout_bufs lb
+    cdef _bwd_bufs bb
+    cdef int rc
+    cdef interrupt_state intr
+    cdef int nb = len(batch_shape)
+    fill_layout(&a.f, &lb, qp, kp, v, mask, mask_kind, FA_MASK_NONE, out, None, lse, batch_shape)
+    a.f.causal = causal
+    a.f.causal_offset = causal_offset
+    a.f.block_q = block_q
+    a.f.block_k = block_k
+    a.f.n_threads = n_threads
+    a.f.score_f32 = NULL
+    a.f.score_f64 = NULL
+    a.f.score_params = cnp.PyArray_DATA(vvec)
+    a.f.check_scores = 0
+    a.f.score_status = 0
+    _batch_strides(grad_out, nb, lb.shape, bb.gbs)
+    _batch_strides(dq, nb, lb.shape, bb.dqbs)
+    _batch_strides(dk, nb, lb.shape, bb.dkbs)
+    _batch_strides(dv, nb, lb.shape, bb.dvbs)
+    a.grad_out = cnp.PyArray_DATA(grad_out)
+    a.g_bs = bb.gbs
+    a.ldg = _ld(grad_out, a.f.dv)
+    a.dq = cnp.PyArray_DATA(dq)
+    a.dk = cnp.PyArray_DATA(dk)
+    a.dv = cnp.PyArray_DATA(dv)
+    a.dq_bs = bb.dqbs
+    a.dk_bs = bb.dkbs
+    a.dv_bs = bb.dvbs
+    a.lddq = _ld(dq, a.f.d)
+    a.lddk = _ld(dk, a.f.d)
+    a.lddv = _ld(dv, a.f.dv)
+    a.dvec = <double *>cnp.PyArray_DATA(dvec)
+    a.delta = <double *>cnp.PyArray_DATA(delta)
+    a.ngroups = ngroups
+    a.dq_part = <double *>cnp.PyArray_DATA(dq_part)
+    a.dvec_part = <double *>cnp.PyArray_DATA(dvec_part)
+    a.f.stop = interrupt_arm(&intr, _main_ident)
+    a.f.stop_ctx = &intr if a.f.stop != NULL else NULL
+    with nogil:
+        if cnp.PyArray_TYPE(qp) == cnp.NPY_FLOAT32:
+            rc = fa_additive_bwd_f32(&a)
+        else:
+            rc = fa_additive_bwd_f64(&a)
+    interrupt_raise(&intr)
+    return rc
 
 
 def pv_acc(cnp.ndarray p, cnp.ndarray v, cnp.ndarray o, tuple batch_shape):

@@ -41,7 +41,7 @@ import types
 
 import numpy as np
 
-from ._linear import linear
+from ._linear import _matmul, linear
 from ._validation import sum_to_shape
 
 __all__ = [
@@ -475,15 +475,32 @@ def _additive_tile_backward(t, v, grad_scores):
     return dh.sum(axis=-2), dh.sum(axis=-3), dv
 
 
-def _additive_grads(query, key, wq, wk, dqp, dkp, dv):
+def _additive_grads(query, key, wq, wk, dqp, dkp, dv, n_threads=None):
     """The ``"additive"`` lowering's gradients (see :meth:`Similarity._lower_backward`)
     from those of the projections qp = q W_q^T + b and kp = k W_k^T (or of the
-    keys themselves when ``wk`` is None), with the shapes of query and key."""
+    keys themselves when ``wk`` is None), with the shapes of query and key.
+
+    ``n_threads`` given (the fused backward's products over the whole batch):
+    the four products run on fastattn's worker pool with BLAS held at one
+    thread (``_linear._matmul``: the same bits for any thread count; NumPy's
+    threaded matmul stalled up to 130 ms here, against 5 ms, right after the
+    kernel); None (a tile's ``score_backward``): NumPy's matmul."""
+    if n_threads is None:
+        mm = np.matmul
+    else:
+        def mm(a, b):
+            return _matmul(_rows(a), b, a.dtype, n_threads).reshape(a.shape[:-1] + b.shape[-1:])
+
+    def sum_rows_t(a, x):
+        if n_threads is None:
+            return _sum_rows_t(a, x)
+        return _matmul(_rows(a).T, _rows(x), a.dtype, n_threads)
+
     return {
-        "query": np.matmul(dqp, wq),
-        "key": dkp if wk is None else np.matmul(dkp, wk),
-        "W_q": _sum_rows_t(dqp, query),
-        "W_k": None if wk is None else _sum_rows_t(dkp, key),
+        "query": mm(dqp, wq),
+        "key": dkp if wk is None else mm(dkp, wk),
+        "W_q": sum_rows_t(dqp, query),
+        "W_k": None if wk is None else sum_rows_t(dkp, key),
         "b": _rows(dqp).sum(axis=0, dtype=np.float64).astype(dqp.dtype),
         "v": dv,
     }

@@ -484,7 +484,9 @@ def test_same_bits_for_any_thread_count(sim_name, rng):
 @pytest.mark.parametrize("shape", [(1, 1024, 16), (64, 256, 4)], ids=["1x1024", "64x256"])
 @pytest.mark.parametrize("sim_name", ["additive", "numpy_plugin"])
 def test_tiled_backward_memory_is_o_tile(sim_name, shape, rng):
-    """The NumPy tiled backward's peak (tracemalloc, besides the inputs) stays
+    """The backward's peak (tracemalloc, besides the inputs; additive runs the
+    fused kernel, test_additive_backward_kernel.py, the plugin the NumPy tiled
+    backward) stays
     under half of the batch's Lq x Lk float64 scores (8 MB at 1 x 1024 x 1024,
     32 MB at 64 x 256 x 256), let alone additive's x d_a tanh tensor: one long
     sequence, and many short ones worked through in chunks of the batch (the
