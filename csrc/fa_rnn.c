@@ -23,6 +23,7 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 #include "fa_exp_avx2.h"
 #include "fa_tanh_avx2.h"
+#include "fa_sig_avx2.h"
 #else
 #define FA_RNN_AVX2 0
 #endif
@@ -94,18 +95,6 @@ SCALAR_ROWS(double, f64, exp, tanh)
 /* -------------------------------------------------------------- AVX2 rows */
 
 #if FA_RNN_AVX2
-AVX2 static inline __m256 sig8(__m256 x)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(one, _mm256_add_ps(one, exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-AVX2 static inline __m256d sig4(__m256d x)
-{
-    const __m256d one = _mm256_set1_pd(1.0);
-    return _mm256_div_pd(one, _mm256_add_pd(one, exp4_f64(_mm256_sub_pd(_mm256_setzero_pd(), x))));
-}
-
 #define LF(p) _mm256_loadu_ps(p)
 #define LD(p) _mm256_loadu_pd(p)
 
