@@ -238,6 +238,9 @@ static row_f64_fn pick_f64(int cell, int simd)
                     memset(o, 0, (size_t)H * sizeof(TY));                                      \
                 continue;                                                                     \
             }                                                                                 \
+            if (a->gates)                                                                     \
+                memcpy((TY *)a->gates + b * a->gates_bs + t * a->gates_ts, G + r * GH,        \
+                       (size_t)GH * sizeof(TY));                                              \
             ROW(0, H, xw + b * a->xw_bs + t * a->xw_ts, G + r * GH, h + r * H,                \
                 c ? c + r * H : NULL);                                                        \
             if (o)                                                                            \
@@ -457,6 +460,10 @@ static void wait_step_done(const int *done, int64_t nb)
             const TY *xr = xw + r * a->xw_bs + t * a->xw_ts;                                  \
             for (int64_t g = 0; g < G; g++)                                                   \
                 memcpy(GI + r * G * nu + g * nu, xr + g * H + u0, (size_t)nu * sizeof(TY));   \
+            if (a->gates)                                                                     \
+                for (int64_t g = 0; g < G; g++)                                               \
+                    memcpy((TY *)a->gates + r * a->gates_bs + t * a->gates_ts + g * H + u0,   \
+                           GHs + r * G * nu + g * nu, (size_t)nu * sizeof(TY));               \
             ROW(0, nu, GI + r * G * nu, GHs + r * G * nu, hn + r * H + u0,                    \
                 c ? c + r * H + u0 : NULL);                                                   \
             if (o)                                                                            \

@@ -51,6 +51,10 @@ typedef struct {
     int64_t out_bs, out_ts;
     const int64_t *lengths;       /* (B,) values in [0, T], or NULL: all T */
     int reverse;                  /* 1: t = T-1 .. 0 */
+    void *gates;                  /* or NULL: gh = h W_hh^T + b_hh of every real step saved,
+                                     gates[b, t, g] at gates + b * gates_bs + t * gates_ts + g
+                                     (padded steps not written), for the backward */
+    int64_t gates_bs, gates_ts;
     /* h W_hh^T: float32 blocks of at most small_m rows use fa_proj_small_f32
      * (with simd); otherwise these Fortran-ABI gemms (scipy.linalg.cython_blas),
      * which the caller keeps at one thread.  G*H, H, B must fit in an int. */
@@ -150,20 +154,31 @@ typedef struct {
     int64_t go_bs, go_ts;
     const void *whh;              /* (G*H, H), row stride ldw >= H (the gemm path) */
     int64_t ldw;
-    const float *wpack;           /* float32: W_hh^T packed by fa_rnn_pack_wt_f32 (the AVX2
-                                     kernel of fa_proj.c), or NULL: sgemm */
+    const float *wpack;           /* float32: W_hh^T packed (fa_proj_pack_t_panels_f32 of W_hh,
+                                     for fa_proj.c's AVX2 kernel), or NULL: sgemm */
     const int64_t *lengths;       /* (B,) values in [0, T], or NULL: all T */
     int reverse;                  /* 1: the forward walked t = T-1 .. 0 */
     void *dxw;                    /* (B, T, G*H) C-contiguous, written */
     void *dgh;                    /* GRU: (B, T, G*H) C-contiguous, written; others NULL */
     void *dh;                     /* (B, H) C-contiguous: dL/dh_T in, dL/dh_0 out */
     void *dc;                     /* LSTM: (B, H) C-contiguous: dL/dc_T in, dL/dc_0 out */
-    fa_sgemm_fn sgemm;            /* the products without wpack; one thread (the caller's hold) */
+    double *db;                   /* or NULL: (B, G*H) -- row block [b0, b1) adds the sums of its
+                                     rows of dgh over its steps into row b0 (zeroed by the caller),
+                                     in float64; dL/db_hh is the sum of the blocks' rows */
+    void *dw;                     /* or NULL: (nblocks, G*H, H) C-contiguous zeros; row block i
+                                     (b0 = i * dw_rows) adds its rows' dgh^T hprev into dw[i]:
+                                     products of dw_steps steps of its real rows (beta = 1 gemms,
+                                     in step order), the accumulation a per-step autograd makes;
+                                     dL/dW_hh is the sum of the blocks' */
+    int64_t dw_rows, dw_steps;
+    fa_sgemm_fn sgemm;            /* the products without wpack, and dw's; one thread (the
+                                     caller's hold) */
     fa_dgemm_fn dgemm;
 } fa_rnn_bwd_args;
 
-/* Scratch elements a block of `rows` rows needs (kept between chunks). */
-int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H);
+/* Scratch elements a block of `rows` rows needs (kept between chunks), with
+ * dw accumulated dw_steps steps at a time (0: no dw). */
+int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps);
 /* LSTM only, once before the steps: the cell state after every step of rows
  * [b0, b1) into the block's scratch.  Other cells: no-op. */
 int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch);
@@ -174,8 +189,5 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
                    float *scratch);
 int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
                    double *scratch);
-/* W_hh (G*H x H, row stride ldw) as the packed form of its transpose (H x G*H;
- * fa_proj.h's panels): fa_proj_packed_size(H, G*H) floats. */
-void fa_rnn_pack_wt_f32(int64_t GH, int64_t H, const float *w, int64_t ldw, float *wp);
 
 #endif

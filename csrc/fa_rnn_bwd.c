@@ -21,6 +21,12 @@
  *          do = d tanh(c) o (1 - o); dc_prev = dc_t f, dh_prev = dxw W
  * No -ffast-math (and ISO C: no contraction into FMAs), NaN propagates.
  *
+ * dL/db_hh: each block sums its rows of dgh in float64 (in its fixed order).
+ * dL/dW_hh: each block accumulates dgh^T hprev over its real rows, a gemm of
+ * beta = 1 every dw_steps steps (about 32 rows) -- short float32 runs, as a
+ * per-step autograd sums them; one gemm over all B*T rows would add each
+ * element in runs of thousands (measured: 1.5x torch's float32 rms error).
+ *
  * Scratch of a block of m rows: P (m x H, the product), a zero row (G*H: no
  * bias, no output gradient, no c0), X (m x G*H: the gemm's rows when their
  * stride exceeds an int), and for LSTM the cell states (m x T x H).
@@ -43,24 +49,11 @@
 #define FA_RNN_AVX2 0
 #endif
 
-int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H)
+int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps)
 {
     const int64_t GH = (int64_t)fa_rnn_gates(cell) * H;
-    return rows * H + GH + rows * GH + (cell == FA_RNN_LSTM ? rows * T * H : 0);
-}
-
-void fa_rnn_pack_wt_f32(int64_t GH, int64_t H, const float *w, int64_t ldw, float *wp)
-{
-    /* panel p, feature c: the 16 values W_hh^T[p*16 + jj][c] = w[c][p*16 + jj] */
-    for (int64_t p0 = 0; p0 < H; p0 += FA_PROJ_PANEL) {
-        float *panel = wp + p0 * GH;
-        const int64_t n = H - p0 < FA_PROJ_PANEL ? H - p0 : FA_PROJ_PANEL;
-        for (int64_t c = 0; c < GH; c++) {
-            memcpy(panel + c * FA_PROJ_PANEL, w + c * ldw + p0, (size_t)n * sizeof(float));
-            for (int64_t jj = n; jj < FA_PROJ_PANEL; jj++)
-                panel[c * FA_PROJ_PANEL + jj] = 0.0f;
-        }
-    }
+    return rows * H + GH + rows * GH + (cell == FA_RNN_LSTM ? rows * T * H : 0) +
+           rows * dw_steps * (GH + H);
 }
 
 /* One row of one step from column j on.  xi: the xw row; gh, bh: the hidden
@@ -344,6 +337,8 @@ static int check_bwd(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1)
 #define BWD_SCRATCH(TY)                                                                       \
     const int64_t G = fa_rnn_gates(a->cell), H = a->H, GH = G * H, T = a->T, m = b1 - b0;    \
     TY *P = scratch, *zero = scratch + m * H, *X = zero + GH, *cs = X + m * GH;               \
+    TY *DA = cs + (a->cell == FA_RNN_LSTM ? m * T * H : 0), *DB = DA + m * a->dw_steps * GH;  \
+    (void)DA; (void)DB;                                                                       \
     memset(zero, 0, (size_t)GH * sizeof(TY));                                                 \
     const TY *xw = (const TY *)a->xw, *gh = (const TY *)a->gh;                                \
     const TY *bias = a->bhh ? (const TY *)a->bhh : zero;                                      \
@@ -395,13 +390,22 @@ int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, doub
     return 0;
 }
 
-/* PRODUCT(x, ldx): P (m x H) = x (m x G*H, row stride ldx) W_hh */
-#define BWD_BODY(TY, ROW, PRODUCT)                                                            \
+/* PRODUCT(x, ldx): P (m x H) = x (m x G*H, row stride ldx) W_hh;
+ * DW_PRODUCT(k): dw += DA (k x G*H)^T DB (k x H) */
+#define BWD_BODY(TY, ROW, PRODUCT, DW_PRODUCT)                                                            \
     BWD_SCRATCH(TY)                                                                           \
     const TY *hprev = (const TY *)a->hprev, *go = (const TY *)a->go;                          \
     TY *dxw = (TY *)a->dxw, *dgh = a->dgh ? (TY *)a->dgh : (TY *)a->dxw;                      \
     TY *dh = (TY *)a->dh + b0 * H, *dc = a->dc ? (TY *)a->dc + b0 * H : NULL;                 \
     const int gemm_rows_fit = fa_blas_fits(T * GH);                                           \
+    double *db = a->db ? a->db + b0 * GH : NULL;                                              \
+    TY *dw = a->dw ? (TY *)a->dw + (b0 / a->dw_rows) * GH * H : NULL;                         \
+    const int64_t S = a->dw_steps;                                                            \
+    int64_t fill = 0; /* real rows of this group of steps already in DA / DB */               \
+    if (dw)                                                                                   \
+        for (int64_t s = s0 / S * S; s < s0; s++)                                             \
+            for (int64_t r = 0; r < m; r++)                                                   \
+                fill += !(len && (a->reverse ? s : T - 1 - s) >= len[b0 + r]);                \
     for (int64_t s = s0; s < s1; s++) {                                                       \
         const int64_t t = a->reverse ? s : T - 1 - s;                                         \
         int64_t live = 0;                                                                     \
@@ -425,6 +429,19 @@ int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, doub
                 hprev ? hprev + (b * T + t) * H : zero, cp, cn,                               \
                 go ? go + b * a->go_bs + t * a->go_ts : zero, dh + r * H, dc ? dc + r * H : NULL, \
                 dx, dg);                                                                      \
+            if (db)                                                                           \
+                for (int64_t g = 0; g < GH; g++)                                              \
+                    db[g] += (double)dg[g];                                                   \
+            if (dw) {                                                                         \
+                memcpy(DA + fill * GH, dg, (size_t)GH * sizeof(TY));                          \
+                memcpy(DB + fill * H, hprev ? hprev + (b * T + t) * H : zero,                 \
+                       (size_t)H * sizeof(TY));                                               \
+                fill++;                                                                       \
+            }                                                                                 \
+        }                                                                                     \
+        if (dw && fill && ((s + 1) % S == 0 || s == T - 1)) {                                 \
+            DW_PRODUCT(fill)                                                                  \
+            fill = 0;                                                                         \
         }                                                                                     \
         if (!live)                                                                            \
             continue;                                                                         \
@@ -454,6 +471,8 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         return FA_RNN_EINVAL;
     if (a->wpack ? !(a->simd && fa_proj_packed_available()) : !a->sgemm)
         return FA_RNN_EINVAL;
+    if (a->dw && (!a->sgemm || a->dw_rows < 1 || a->dw_steps < 1 || b0 % a->dw_rows))
+        return FA_RNN_EINVAL;
     const bwd_row_f32_fn row = pick_bwd_f32(a->cell, a->simd);
     int status = 0;
     int gn = (int)a->H, gm = (int)(b1 - b0), gk = (int)((int64_t)fa_rnn_gates(a->cell) * a->H);
@@ -469,8 +488,15 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         a->sgemm(&tn, &tn, &gn, &gm, &gk, &one, (float *)a->whh, &ldw, (float *)(x), &ld_,    \
                  &zf, P, &ldp);                                                               \
     }
-    BWD_BODY(float, row, PRODUCT_F32)
+#define DW_PRODUCT_F32(k)                                                                     \
+    {                                                                                         \
+        int kk = (int)(k), lda_ = (int)H, ldb_ = (int)GH;                                     \
+        char tt = 'T';                                                                        \
+        a->sgemm(&tn, &tt, &gn, &gk, &kk, &one, DB, &lda_, DA, &ldb_, &one, dw, &lda_);       \
+    }
+    BWD_BODY(float, row, PRODUCT_F32, DW_PRODUCT_F32)
 #undef PRODUCT_F32
+#undef DW_PRODUCT_F32
     return status;
 }
 
@@ -478,7 +504,7 @@ int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
                    double *scratch)
 {
     if (check_bwd(a, b0, b1) || !scratch || s0 < 0 || s1 > a->T || s0 > s1 || !a->dgemm ||
-        a->wpack)
+        a->wpack || (a->dw && (a->dw_rows < 1 || a->dw_steps < 1 || b0 % a->dw_rows)))
         return FA_RNN_EINVAL;
     const bwd_row_f64_fn row = pick_bwd_f64(a->cell, a->simd);
     int gn = (int)a->H, gm = (int)(b1 - b0), gk = (int)((int64_t)fa_rnn_gates(a->cell) * a->H);
@@ -491,7 +517,14 @@ int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         a->dgemm(&tn, &tn, &gn, &gm, &gk, &one, (double *)a->whh, &ldw, (double *)(x), &ld_,  \
                  &zd, P, &ldp);                                                               \
     }
-    BWD_BODY(double, row, PRODUCT_F64)
+#define DW_PRODUCT_F64(k)                                                                     \
+    {                                                                                         \
+        int kk = (int)(k), lda_ = (int)H, ldb_ = (int)GH;                                     \
+        char tt = 'T';                                                                        \
+        a->dgemm(&tn, &tt, &gn, &gk, &kk, &one, DB, &lda_, DA, &ldb_, &one, dw, &lda_);       \
+    }
+    BWD_BODY(double, row, PRODUCT_F64, DW_PRODUCT_F64)
 #undef PRODUCT_F64
+#undef DW_PRODUCT_F64
     return 0;
 }

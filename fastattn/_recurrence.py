@@ -132,7 +132,7 @@ def _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads) -> _Sc
 
 
 def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
-             return_outputs=True, n_threads=None):
+             return_outputs=True, return_gates=False, n_threads=None):
     """Run the recurrence of one RNN layer and direction over all time steps.
 
     Parameters
@@ -150,14 +150,23 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         its last real step).
     reverse : walk t = T-1 .. 0 (the backward direction of a bidirectional RNN).
     return_outputs : False skips writing the (B, T, H) outputs.
+    return_gates : True also returns the hidden pre-activations
+        ``h_{t-1} W_hhᵀ + b_hh`` of every step, (B, T, G*H), zeros at padded
+        steps: hand them to :func:`rnn_scan_backward` (``gates=``), which then
+        skips recomputing them (one GEMM over all steps) -- for training, at
+        the cost of keeping B*T*G*H numbers.
 
     Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
-    float32 when every float argument is float32, float64 otherwise (float16
-    arguments are computed in float32; all float16 gives float16 results).  Inputs
-    are never modified.  Equations: torch's (see csrc/fa_rnn.h).
+    and the gates as a fourth element with ``return_gates``; float32 when
+    every float argument is float32, float64 otherwise (float16 arguments are
+    computed in float32; all float16 gives float16 results).  Inputs are never
+    modified.  Equations: torch's (see csrc/fa_rnn.h).
     """
     xw, w, b, h, c, lens, B, T, H, GH, nt, ct, rdt, _ = _scan_args(
         xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
+    if not isinstance(return_gates, (bool, np.bool_)):
+        raise TypeError(f"return_gates: expected a bool, got {type(return_gates).__name__}")
+    gates = np.zeros((B, T, GH), ct) if return_gates else None
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -165,19 +174,25 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         c = np.zeros((B, H), ct) if c is None else np.array(c, dtype=ct, order="C", copy=True)
     out = np.zeros((B, T, H), ct) if return_outputs else None
     if B == 0 or T == 0 or H == 0:
-        return _as(out, rdt), _as(h, rdt), _as(c, rdt)
+        return _scan_result(out, h, c, gates, rdt)
     # the kernel takes element strides: each a multiple of the item size
     xc = _step_rows(xw.astype(ct, copy=False))
     # rows BLAS can address: positive row stride within its 32-bit leading dimensions
     wc = canonical_matrix_stack(w, ct)
     bc = None if b is None else np.ascontiguousarray(b, dtype=ct)
     _ensure_runtime()
-    _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
-    return _as(out, rdt), _as(h, rdt), _as(c, rdt)
+    _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt, gates)
+    return _scan_result(out, h, c, gates, rdt)
+
+
+def _scan_result(out, h, c, gates, rdt):
+    res = (_as(out, rdt), _as(h, rdt), _as(c, rdt))
+    return res if gates is None else res + (_as(gates, rdt),)
 
 
 def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, cell="gru",
-                      c0=None, grad_c_n=None, lengths=None, reverse=False, n_threads=None):
+                      c0=None, grad_c_n=None, lengths=None, reverse=False, gates=None,
+                      n_threads=None):
     """Backpropagation through time of :func:`rnn_scan`.
 
     Parameters
@@ -194,6 +209,9 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         every step's gates are recomputed with one product over all steps.
     grad_c_n : (B, H) or None
         dL/d(c_T) (LSTM only).
+    gates : (B, T, G*H) or None
+        The forward's gates (``rnn_scan(..., return_gates=True)``): the hidden
+        products are then not recomputed.
 
     Returns
     -------
@@ -202,8 +220,8 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     otherwise), in their inputs' shapes and dtypes (non-float inputs: the
     compute dtype), all computed in the compute dtype.
 
-    The hidden products ``h_{t-1} W_hhᵀ`` of every step are recomputed from
-    ``outputs`` with one GEMM over all steps; the sequential ``dh`` (and LSTM
+    The hidden products ``h_{t-1} W_hhᵀ`` of every step are the forward's
+    ``gates`` or recomputed from ``outputs`` with one GEMM over all steps; the sequential ``dh`` (and LSTM
     ``dc``) recurrence runs in C (csrc/fa_rnn_bwd.c, GIL released): per step
     the gate gradients elementwise (AVX2) and one ``(rows, G*H) x (G*H, H)``
     product for a block of batch rows, the blocks on fastattn's worker pool;
@@ -226,6 +244,8 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         if name == "grad_c_n" and cell != "lstm":
             raise ValueError(f"grad_c_n: only an LSTM has a cell state (cell {cell!r})")
         grads_in[name] = check_grad_array(g_, name, shape).astype(ct, copy=False)
+    if gates is not None:
+        gates = check_grad_array(gates, "gates", (B, T, GH))
     # dL/dh and dL/dc flow backwards through these (copies: inputs are never modified)
     dh = np.zeros((B, H), ct) if grads_in["grad_h_n"] is None else np.array(
         grads_in["grad_h_n"], dtype=ct, order="C", copy=True)
@@ -242,22 +262,28 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     xwd = _step_rows(a.xw.astype(ct, copy=False))
     W = canonical_matrix_stack(a.w, ct)
     hprev = _states_before(o.astype(ct, copy=False), a.h.astype(ct, copy=False), a.lens, reverse)
-    # every step's hidden products at once, on fastattn's pool (tiles fixed by
-    # the shapes: the same bits for any thread count); b_hh is added in C
-    gh = _matmul(hprev.reshape(B * T, H), W.T, ct, a.nt).reshape(B, T, GH)
+    if gates is not None:   # the forward's, b_hh included
+        gh, bgh = _contig(gates, ct), None
+    else:
+        # every step's hidden products at once, on fastattn's pool (tiles fixed
+        # by the shapes: the same bits for any thread count); b_hh added in C
+        gh, bgh = _matmul(hprev.reshape(B * T, H), W.T, ct, a.nt).reshape(B, T, GH), bh
     go = grads_in["grad_outputs"]
     if go is not None:
         go = _step_rows(go)
     c0c = None if (cell != "lstm" or a.c is None) else _contig(a.c, ct)
     dxw = np.empty((B, T, GH), ct)
     dgh = np.empty((B, T, GH), ct) if cell == "gru" else None
+    # dL/db_hh: each row block's sums in float64; dL/dW_hh: each row block's
+    # dgh^T h_prev, gemms of ~32 rows with beta = 1 (in C); then the blocks' in order
+    nb, _ = _rnn.backward_blocks(B, H, G)
+    dbb = None if bh is None else np.zeros((B, GH), np.float64)
+    dwb = np.zeros((nb, GH, H), ct)
     _ensure_runtime()
-    _rnn.scan_backward(_rnn.CELLS[cell], xwd, gh, bh, hprev if cell == "gru" else None, c0c, go,
-                       W, a.lens, bool(reverse), dxw, dgh, dh, dc, a.nt)
-    dg = dgh if cell == "gru" else dxw   # dL/d(h_{t-1} W_hh^T + b_hh) of every step
-    # dW_hh = sum over steps of dgates^T h_prev: one product over all B*T rows
-    dW = _matmul(dg.reshape(B * T, GH).T, hprev.reshape(B * T, H), ct, a.nt)
-    db = None if bh is None else dg.sum(axis=(0, 1))
+    _rnn.scan_backward(_rnn.CELLS[cell], xwd, gh, bgh, hprev, c0c, go, W, a.lens, bool(reverse),
+                       dxw, dgh, dh, dc, dbb, dwb, a.nt)
+    dW = dwb[0] if nb == 1 else dwb.sum(axis=0)
+    db = None if dbb is None else dbb.sum(axis=0).astype(ct)
     return _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct)
 
 

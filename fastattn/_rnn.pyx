@@ -54,6 +54,8 @@ cdef extern from "fa_rnn.h" nogil:
         int64_t out_bs, out_ts
         const int64_t *lengths
         int reverse
+        void *gates
+        int64_t gates_bs, gates_ts
         int64_t small_m
         fa_sgemm_fn sgemm
         fa_dgemm_fn dgemm
@@ -109,21 +111,25 @@ cdef extern from "fa_rnn.h" nogil:
         void *dgh
         void *dh
         void *dc
+        double *db
+        void *dw
+        int64_t dw_rows, dw_steps
         fa_sgemm_fn sgemm
         fa_dgemm_fn dgemm
-    int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H)
+    int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps)
     int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch)
     int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, double *scratch)
     int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
                        float *scratch)
     int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
                        double *scratch)
-    void fa_rnn_pack_wt_f32(int64_t GH, int64_t H, const float *w, int64_t ldw, float *wp)
 
 cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
     int fa_proj_packed_available()
     int64_t fa_proj_packed_size(int64_t n, int64_t k)
+    void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                                   const float *bt, int64_t ldb, float *wp)
 
 # this module's copy of fastattn._kernels' pool, BLAS hold and SIMD switch
 # (fastattn/_runtime.pxd): a C static, so all NULL until set_runtime
@@ -170,6 +176,8 @@ cdef double g_chunk_flops = 1e8
 # every thread count gives the same bits); below PARALLEL_MIN_FLOPS per step
 # and block, one block.
 cdef int g_bwd_blocks = 4
+# dW_hh: each block's gemms of about DW_ROWS rows (dw_steps = DW_ROWS // rows steps)
+DEF DW_ROWS = 32
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
@@ -267,17 +275,19 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
         fa_store_status(&c.status, rc)
 
 
-cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, int64_t item,
-                             int64_t t0, int64_t tc, const int64_t *lens_all,
+cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, char *gates_base,
+                             int64_t item, int64_t t0, int64_t tc, const int64_t *lens_all,
                              int64_t *lens_c) noexcept nogil:
-    """Point s.a at steps [t0, t0 + tc): inputs and outputs from step t0 on, the
-    lengths counted from t0 (a row is live at local step u when t0 + u < its
-    length, in either direction)."""
+    """Point s.a at steps [t0, t0 + tc): inputs, outputs and gates from step t0
+    on, the lengths counted from t0 (a row is live at local step u when t0 + u
+    < its length, in either direction)."""
     cdef int64_t r, l
     s.a.T = tc
     s.a.xw = xw_base + t0 * s.a.xw_ts * item
     if out_base != NULL:
         s.a.out = out_base + t0 * s.a.out_ts * item
+    if gates_base != NULL:
+        s.a.gates = gates_base + t0 * s.a.gates_ts * item
     if lens_all != NULL:
         for r in range(s.a.B):
             l = lens_all[r] - t0
@@ -286,7 +296,7 @@ cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, i
 
 
 def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, object c,
-         object out, object lengths, bint reverse, int n_threads):
+         object out, object lengths, bint reverse, int n_threads, object gates=None):
     """Run one layer and direction over all time steps.
 
     xw: (B, T, G*H) input projections (b_ih included), last axis contiguous,
@@ -294,7 +304,8 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     bhh: (G*H,) contiguous or None; h: (B, H) C-contiguous, the initial state,
     overwritten with the final one; c: the same for LSTM, else None; out:
     (B, T, H) with last axis contiguous, or None; lengths: (B,) int64
-    contiguous with values in [0, T], or None.  One float dtype throughout;
+    contiguous with values in [0, T], or None; gates: (B, T, G*H) with last axis
+    contiguous, receives h W_hh^T + b_hh of every real step, or None.  One float dtype throughout;
     B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks,
     or minus the number of threads when the units were split instead.
     From the main thread, KeyboardInterrupt stops the scan between chunks of
@@ -337,6 +348,14 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     else:
         s.a.lengths = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>lengths)
     s.a.reverse = reverse
+    if gates is None:
+        s.a.gates = NULL
+        s.a.gates_bs = 0
+        s.a.gates_ts = 0
+    else:
+        s.a.gates = cnp.PyArray_DATA(<cnp.ndarray>gates)
+        s.a.gates_bs = cnp.PyArray_STRIDES(<cnp.ndarray>gates)[0] // item
+        s.a.gates_ts = cnp.PyArray_STRIDES(<cnp.ndarray>gates)[1] // item
     s.a.small_m = g_small_m
     s.a.sgemm = <fa_sgemm_fn>sgemm
     s.a.dgemm = <fa_dgemm_fn>dgemm
@@ -360,6 +379,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
         lens_c = <int64_t *>cnp.PyArray_DATA(lens_chunk)
     cdef const char *xw_base = <const char *>s.a.xw
     cdef char *out_base = <char *>s.a.out
+    cdef char *gates_base = <char *>s.a.gates
     cdef int64_t t0, tc, k, hb_bytes = B * H * item
     cdef unsigned char *claimed_base = NULL
     cdef int *done_base = NULL
@@ -408,7 +428,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
             tc = chunk if chunk < T - k else T - k
             t0 = k if not reverse else T - k - tc
             if tc < T:
-                _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
+                _chunk_args(&s, xw_base, out_base, gates_base, item, t0, tc, lens_all, lens_c)
             if s.split:
                 s.sp.claimed = claimed_base + k * s.sp.nb
                 s.sp.done = done_base + k
@@ -573,7 +593,7 @@ def backward_blocks(int64_t B, int64_t H, int G):
 
 def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object hprev, object c0,
                   object go, cnp.ndarray whh, object lengths, bint reverse, cnp.ndarray dxw,
-                  object dgh, cnp.ndarray dh, object dc, int n_threads):
+                  object dgh, cnp.ndarray dh, object dc, object db, object dw, int n_threads):
     """The dh (and dc) recurrence of one layer and direction, backwards over all steps.
 
     xw: (B, T, G*H) the forward's input projections, last axis contiguous, any
@@ -584,7 +604,11 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     (B, T, H) last axis contiguous or None; whh: (G*H, H) rows contiguous;
     lengths: (B,) int64 contiguous or None.  Outputs: dxw (B, T, G*H)
     C-contiguous; dgh the same (GRU) or None; dh (B, H) C-contiguous holds
-    dL/dh_T and receives dL/dh_0; dc the same for LSTM, else None.  One float
+    dL/dh_T and receives dL/dh_0; dc the same for LSTM, else None; db: (B, G*H)
+    float64 zeros or None, row i * rows receives row block i's sums of dgh
+    (float64; dL/db_hh = db.sum(0), in block order); dw: (blocks, G*H, H)
+    zeros (blocks from backward_blocks) or None, dw[i] receives row block i's
+    dgh^T hprev (dL/dW_hh = dw.sum(0), in block order).  One float
     dtype; B, T, H >= 1; G*H, H, B within int.  Returns the number of row
     blocks (fixed by B, G and H).  From the main thread, KeyboardInterrupt
     stops between chunks of steps and is raised here.
@@ -633,12 +657,16 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     s.a.dgh = NULL if dgh is None else cnp.PyArray_DATA(<cnp.ndarray>dgh)
     s.a.dh = cnp.PyArray_DATA(dh)
     s.a.dc = NULL if dc is None else cnp.PyArray_DATA(<cnp.ndarray>dc)
+    s.a.db = NULL if db is None else <double *>cnp.PyArray_DATA(<cnp.ndarray>db)
     s.a.sgemm = <fa_sgemm_fn>sgemm
     s.a.dgemm = <fa_dgemm_fn>dgemm
     s.status = 0
     nblocks, rows = backward_blocks(B, H, G)
     s.rows = rows
-    s.per = fa_rnn_bwd_scratch(cell, rows, T, H)
+    s.a.dw = NULL if dw is None else cnp.PyArray_DATA(<cnp.ndarray>dw)
+    s.a.dw_rows = rows
+    s.a.dw_steps = DW_ROWS // rows if rows < DW_ROWS else 1
+    s.per = fa_rnn_bwd_scratch(cell, rows, T, H, s.a.dw_steps if dw is not None else 0)
     scratch = cnp.PyArray_EMPTY(1, [nblocks * s.per], cnp.PyArray_TYPE(xw), 0)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     if s.f32 and s.a.simd and fa_proj_packed_available():
@@ -657,8 +685,8 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     with nogil:
         hook = runtime_hold(&g_rt)
         if s.a.wpack != NULL:
-            fa_rnn_pack_wt_f32(<int64_t>G * H, H, <const float *>s.a.whh, s.a.ldw,
-                               <float *>s.a.wpack)
+            fa_proj_pack_t_panels_f32(0, (H + 15) // 16, H, <int64_t>G * H,
+                                      <const float *>s.a.whh, s.a.ldw, <float *>s.a.wpack)
         if cell == 3:   # LSTM: the cell states of every step first
             s.cstate = 1
             runtime_run(&g_rt, nblocks, nt, _bwd_task, &s, NULL, NULL)
