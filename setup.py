@@ -77,10 +77,11 @@ extensions = [
         depends=DEPENDS,
     ),
     # The RNN layers' time loop (csrc/fa_rnn.c; fa_proj.c's few-row kernel for
-    # h W_hh^T); runs on _kernels' worker pool (addresses handed over).
+    # h W_hh^T) and its backward (csrc/fa_rnn_bwd.c); runs on _kernels' worker
+    # pool (addresses handed over).
     Extension(
         "fastattn._rnn",
-        sources=["fastattn/_rnn.pyx", "csrc/fa_rnn.c", "csrc/fa_proj.c"],
+        sources=["fastattn/_rnn.pyx", "csrc/fa_rnn.c", "csrc/fa_rnn_bwd.c", "csrc/fa_proj.c"],
         include_dirs=["csrc", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
         extra_compile_args=extra_compile,

@@ -3,7 +3,9 @@ additive (Bahdanau) attention, against torch autograd in the same run.
 
 * ``gru``: B=32, T=64, E=H=256, float32, zero initial state, a random upstream
   gradient on every output.  fastattn: ``linear`` (input projection),
-  ``rnn_scan``, ``rnn_scan_backward``, ``linear_backward``; torch:
+  ``rnn_scan(..., return_gates=True)`` (the training forward: it keeps the
+  hidden products, as torch keeps its gates), ``rnn_scan_backward(...,
+  gates=)``, ``linear_backward``; torch:
   ``torch.nn.GRU(batch_first=True)`` forward and ``backward`` (its CPU kernels).
 * ``additive``: B=8, Tq=Tk=256, d=d_a=128, float32.  fastattn:
   ``attention(..., "additive", return_lse=True)`` and ``attention_backward``
@@ -53,9 +55,9 @@ def fastattn_gru(x, w, g):
 
     def run():
         xw = linear(x, w["w_ih"], w["b_ih"])
-        out, _, _ = rnn_scan(xw, w["w_hh"], w["b_hh"], h0, cell="gru")
+        out, _, _, gates = rnn_scan(xw, w["w_hh"], w["b_hh"], h0, cell="gru", return_gates=True)
         dxw, dwhh, dbhh, _, _ = rnn_scan_backward(g, None, xw, w["w_hh"], w["b_hh"], h0, out,
-                                                  cell="gru")
+                                                  cell="gru", gates=gates)
         dx, dwih, dbih = linear_backward(dxw, x, w["w_ih"], w["b_ih"])
         return dx, dwih, dbih, dwhh, dbhh
     return run

@@ -22,6 +22,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include "fa_proj.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -459,6 +460,21 @@ void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t 
 void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *wp)
 {
     fa_proj_pack_panels_f32(0, (n + FA_PROJ_PANEL - 1) / FA_PROJ_PANEL, n, k, w, ldw, wp, 0);
+}
+
+void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                               const float *bt, int64_t ldb, float *wp)
+{
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const int64_t p0 = p * FA_PROJ_PANEL;
+        const int64_t w = n - p0 < FA_PROJ_PANEL ? n - p0 : FA_PROJ_PANEL;
+        float *panel = wp + p0 * k;
+        for (int64_t c = 0; c < k; c++) {
+            memcpy(panel + c * FA_PROJ_PANEL, bt + c * ldb + p0, (size_t)w * sizeof(float));
+            for (int64_t jj = w; jj < FA_PROJ_PANEL; jj++)
+                panel[c * FA_PROJ_PANEL + jj] = 0.0f;
+        }
+    }
 }
 
 int fa_proj_packed_available(void)

@@ -38,6 +38,14 @@ void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *
 void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
                              const float *w, int64_t ldw, float *wp, int simd);
 
+/* Panels [p_begin, p_end) of the packed form of w = bt^T (n x k), read from
+ * bt (k x n, row stride ldb): panel p holds for every c the 16 values
+ * bt[c][p*16 .. p*16 + 15] (zeros past column n), copied -- no transpose.
+ * For a product against the transpose of a row-major matrix (the RNN
+ * backward's dh W_hh).  Portable C. */
+void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                               const float *bt, int64_t ldb, float *wp);
+
 /* 1 when this build and CPU can run fa_proj_packed_f32 (AVX2 + FMA). */
 int fa_proj_packed_available(void);
 

@@ -23,6 +23,7 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 #include "fa_exp_avx2.h"
 #include "fa_tanh_avx2.h"
+#include "fa_sig_avx2.h"
 #else
 #define FA_RNN_AVX2 0
 #endif
@@ -94,18 +95,6 @@ SCALAR_ROWS(double, f64, exp, tanh)
 /* -------------------------------------------------------------- AVX2 rows */
 
 #if FA_RNN_AVX2
-AVX2 static inline __m256 sig8(__m256 x)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(one, _mm256_add_ps(one, exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-AVX2 static inline __m256d sig4(__m256d x)
-{
-    const __m256d one = _mm256_set1_pd(1.0);
-    return _mm256_div_pd(one, _mm256_add_pd(one, exp4_f64(_mm256_sub_pd(_mm256_setzero_pd(), x))));
-}
-
 #define LF(p) _mm256_loadu_ps(p)
 #define LD(p) _mm256_loadu_pd(p)
 
@@ -249,6 +238,9 @@ static row_f64_fn pick_f64(int cell, int simd)
                     memset(o, 0, (size_t)H * sizeof(TY));                                      \
                 continue;                                                                     \
             }                                                                                 \
+            if (a->gates)                                                                     \
+                memcpy((TY *)a->gates + b * a->gates_bs + t * a->gates_ts, G + r * GH,        \
+                       (size_t)GH * sizeof(TY));                                              \
             ROW(0, H, xw + b * a->xw_bs + t * a->xw_ts, G + r * GH, h + r * H,                \
                 c ? c + r * H : NULL);                                                        \
             if (o)                                                                            \
@@ -468,6 +460,10 @@ static void wait_step_done(const int *done, int64_t nb)
             const TY *xr = xw + r * a->xw_bs + t * a->xw_ts;                                  \
             for (int64_t g = 0; g < G; g++)                                                   \
                 memcpy(GI + r * G * nu + g * nu, xr + g * H + u0, (size_t)nu * sizeof(TY));   \
+            if (a->gates)                                                                     \
+                for (int64_t g = 0; g < G; g++)                                               \
+                    memcpy((TY *)a->gates + r * a->gates_bs + t * a->gates_ts + g * H + u0,   \
+                           GHs + r * G * nu + g * nu, (size_t)nu * sizeof(TY));               \
             ROW(0, nu, GI + r * G * nu, GHs + r * G * nu, hn + r * H + u0,                    \
                 c ? c + r * H + u0 : NULL);                                                   \
             if (o)                                                                            \

@@ -51,6 +51,10 @@ typedef struct {
     int64_t out_bs, out_ts;
     const int64_t *lengths;       /* (B,) values in [0, T], or NULL: all T */
     int reverse;                  /* 1: t = T-1 .. 0 */
+    void *gates;                  /* or NULL: gh = h W_hh^T + b_hh of every real step saved,
+                                     gates[b, t, g] at gates + b * gates_bs + t * gates_ts + g
+                                     (padded steps not written), for the backward */
+    int64_t gates_bs, gates_ts;
     /* h W_hh^T: float32 blocks of at most small_m rows use fa_proj_small_f32
      * (with simd); otherwise these Fortran-ABI gemms (scipy.linalg.cython_blas),
      * which the caller keeps at one thread.  G*H, H, B must fit in an int. */
@@ -114,5 +118,76 @@ int fa_rnn_gates(int cell);
 /* Returns 0, or FA_RNN_EINVAL (bad cell, empty size, no gemm for the case). */
 int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *scratch);
 int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *scratch);
+
+/* ------------------------------------------------------------- backward
+ * Backpropagation through time of fa_rnn_f32 / _f64 (csrc/fa_rnn_bwd.c): the
+ * sequential dh (and LSTM dc) recurrence only.  The gates of every step are
+ * recomputed elementwise from xw and the hidden pre-activations gh (which the
+ * caller has: saved by the forward or recomputed with one GEMM over all
+ * steps); per step the rows' gate gradients are written and
+ * dh_prev = direct + d(hidden gates) W_hh is one product for the block's rows.
+ * The weight gradients are left to the caller (one GEMM over all steps of
+ * dgh and hprev).  With dL/dz for z = each gate's pre-activation:
+ *   dxw[b, t] = dL/d(xw[b, t])  (zeros at padded steps)
+ *   dgh[b, t] = dL/d(gh[b, t])  (GRU only: its n block is dxw's times r;
+ *                                 for the other cells it equals dxw)
+ * Steps past a row's length pass dh (and dc) through unchanged.
+ *
+ * Rows are independent: disjoint row blocks may run on different threads at
+ * once.  A row's arithmetic depends only on the rows of its block (the
+ * product's kernel groups them), so a partition fixed by the sizes gives the
+ * same bits for any thread count.  The time loop can be cut into chunks of
+ * steps (for KeyboardInterrupt): fa_rnn_bwd_* over steps [s0, s1) of the
+ * backward order continues from dh / dc and the scratch the previous chunk
+ * left, after one fa_rnn_bwd_cstate_* (LSTM: the cell states of every step). */
+typedef struct {
+    int cell;                     /* FA_RNN_* */
+    int simd;                     /* 1: the AVX2/FMA code may run */
+    int64_t B, T, H;              /* all >= 1 */
+    const void *xw;               /* xw[b, t, g] at xw + b * xw_bs + t * xw_ts + g */
+    int64_t xw_bs, xw_ts;
+    const void *gh;               /* (B, T, G*H) C-contiguous: h_{t-1} W_hh^T (+ b_hh) */
+    const void *bhh;              /* (G*H,) added to gh (gh without the bias), or NULL */
+    const void *hprev;            /* (B, T, H) C-contiguous: the state step t started from */
+    const void *c0;               /* LSTM: (B, H) C-contiguous initial cell state, or NULL: 0 */
+    const void *go;               /* dL/d(out[b, t, j]) at go + b * go_bs + t * go_ts + j, or NULL */
+    int64_t go_bs, go_ts;
+    const void *whh;              /* (G*H, H), row stride ldw >= H (the gemm path) */
+    int64_t ldw;
+    const float *wpack;           /* float32: W_hh^T packed (fa_proj_pack_t_panels_f32 of W_hh,
+                                     for fa_proj.c's AVX2 kernel), or NULL: sgemm */
+    const int64_t *lengths;       /* (B,) values in [0, T], or NULL: all T */
+    int reverse;                  /* 1: the forward walked t = T-1 .. 0 */
+    void *dxw;                    /* (B, T, G*H) C-contiguous, written */
+    void *dgh;                    /* GRU: (B, T, G*H) C-contiguous, written; others NULL */
+    void *dh;                     /* (B, H) C-contiguous: dL/dh_T in, dL/dh_0 out */
+    void *dc;                     /* LSTM: (B, H) C-contiguous: dL/dc_T in, dL/dc_0 out */
+    double *db;                   /* or NULL: (B, G*H) -- row block [b0, b1) adds the sums of its
+                                     rows of dgh over its steps into row b0 (zeroed by the caller),
+                                     in float64; dL/db_hh is the sum of the blocks' rows */
+    void *dw;                     /* or NULL: (nblocks, G*H, H) C-contiguous zeros; row block i
+                                     (b0 = i * dw_rows) adds its rows' dgh^T hprev into dw[i]:
+                                     products of dw_steps steps of its real rows (beta = 1 gemms,
+                                     in step order), the accumulation a per-step autograd makes;
+                                     dL/dW_hh is the sum of the blocks' */
+    int64_t dw_rows, dw_steps;
+    fa_sgemm_fn sgemm;            /* the products without wpack, and dw's; one thread (the
+                                     caller's hold) */
+    fa_dgemm_fn dgemm;
+} fa_rnn_bwd_args;
+
+/* Scratch elements a block of `rows` rows needs (kept between chunks), with
+ * dw accumulated dw_steps steps at a time (0: no dw). */
+int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps);
+/* LSTM only, once before the steps: the cell state after every step of rows
+ * [b0, b1) into the block's scratch.  Other cells: no-op. */
+int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch);
+int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, double *scratch);
+/* Steps [s0, s1) of the backward order (s = 0 is the forward's last step) for
+ * rows [b0, b1).  Returns 0 or FA_RNN_EINVAL. */
+int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
+                   float *scratch);
+int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
+                   double *scratch);
 
 #endif

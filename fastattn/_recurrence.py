@@ -132,7 +132,7 @@ def _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads) -> _Sc
 
 
 def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
-             return_outputs=True, n_threads=None):
+             return_outputs=True, return_gates=False, n_threads=None):
     """Run the recurrence of one RNN layer and direction over all time steps.
 
     Parameters
@@ -150,14 +150,23 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         its last real step).
     reverse : walk t = T-1 .. 0 (the backward direction of a bidirectional RNN).
     return_outputs : False skips writing the (B, T, H) outputs.
+    return_gates : True also returns the hidden pre-activations
+        ``h_{t-1} W_hhᵀ + b_hh`` of every step, (B, T, G*H), zeros at padded
+        steps: hand them to :func:`rnn_scan_backward` (``gates=``), which then
+        skips recomputing them (one GEMM over all steps) -- for training, at
+        the cost of keeping B*T*G*H numbers.
 
     Returns ``(outputs (B, T, H) or None, h_T (B, H), c_T (B, H) or None)``,
-    float32 when every float argument is float32, float64 otherwise (float16
-    arguments are computed in float32; all float16 gives float16 results).  Inputs
-    are never modified.  Equations: torch's (see csrc/fa_rnn.h).
+    and the gates as a fourth element with ``return_gates``; float32 when
+    every float argument is float32, float64 otherwise (float16 arguments are
+    computed in float32; all float16 gives float16 results).  Inputs are never
+    modified.  Equations: torch's (see csrc/fa_rnn.h).
     """
     xw, w, b, h, c, lens, B, T, H, GH, nt, ct, rdt, _ = _scan_args(
         xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
+    if not isinstance(return_gates, (bool, np.bool_)):
+        raise TypeError(f"return_gates: expected a bool, got {type(return_gates).__name__}")
+    gates = np.zeros((B, T, GH), ct) if return_gates else None
 
     # the state is copied (never modified in place) and is where the final one lands
     h = np.array(h, dtype=ct, order="C", copy=True)
@@ -165,27 +174,25 @@ def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=F
         c = np.zeros((B, H), ct) if c is None else np.array(c, dtype=ct, order="C", copy=True)
     out = np.zeros((B, T, H), ct) if return_outputs else None
     if B == 0 or T == 0 or H == 0:
-        return _as(out, rdt), _as(h, rdt), _as(c, rdt)
-    xc = xw.astype(ct, copy=False)
+        return _scan_result(out, h, c, gates, rdt)
     # the kernel takes element strides: each a multiple of the item size
-    if (xc.strides[2] != xc.itemsize or not xc.flags.aligned
-            or any(st % xc.itemsize for st in xc.strides)):
-        xc = np.ascontiguousarray(xc)
+    xc = _step_rows(xw.astype(ct, copy=False))
     # rows BLAS can address: positive row stride within its 32-bit leading dimensions
     wc = canonical_matrix_stack(w, ct)
     bc = None if b is None else np.ascontiguousarray(b, dtype=ct)
     _ensure_runtime()
-    _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt)
-    return _as(out, rdt), _as(h, rdt), _as(c, rdt)
+    _rnn.scan(_rnn.CELLS[cell], xc, wc, bc, h, c, out, lens, bool(reverse), nt, gates)
+    return _scan_result(out, h, c, gates, rdt)
 
 
-def _sigmoid(x):
-    """1 / (1 + exp(-x)) without exp's overflow (and its warning) for large -x."""
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+def _scan_result(out, h, c, gates, rdt):
+    res = (_as(out, rdt), _as(h, rdt), _as(c, rdt))
+    return res if gates is None else res + (_as(gates, rdt),)
 
 
 def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, cell="gru",
-                      c0=None, grad_c_n=None, lengths=None, reverse=False, n_threads=None):
+                      c0=None, grad_c_n=None, lengths=None, reverse=False, gates=None,
+                      n_threads=None):
     """Backpropagation through time of :func:`rnn_scan`.
 
     Parameters
@@ -202,23 +209,29 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         every step's gates are recomputed with one product over all steps.
     grad_c_n : (B, H) or None
         dL/d(c_T) (LSTM only).
+    gates : (B, T, G*H) or None
+        The forward's gates (``rnn_scan(..., return_gates=True)``): the hidden
+        products are then not recomputed.
 
     Returns
     -------
     ``(dxw, dw_hh, db_hh, dh0, dc0)``: the gradients of xw (B, T, G*H; zeros
     at padded steps), w_hh, b_hh (None without b_hh), h0 and c0 (LSTM; None
     otherwise), in their inputs' shapes and dtypes (non-float inputs: the
-    compute dtype).  The gates of every step are recomputed from ``outputs``
-    with one GEMM; the sequential ``dh`` recurrence then costs one
-    ``(B, G*H) x (G*H, H)`` product a step (a Python loop of fastattn
-    products and NumPy gate formulas for now: csrc/fa_rnn.c's forward loop has
-    no backward twin yet), and the weight gradients are one GEMM over all
-    steps, all in the compute dtype.  Deterministic: fixed summation order.
+    compute dtype), all computed in the compute dtype.
+
+    The hidden products ``h_{t-1} W_hhᵀ`` of every step are the forward's
+    ``gates`` or recomputed from ``outputs`` with one GEMM over all steps; the sequential ``dh`` (and LSTM
+    ``dc``) recurrence runs in C (csrc/fa_rnn_bwd.c, GIL released): per step
+    the gate gradients elementwise (AVX2) and one ``(rows, G*H) x (G*H, H)``
+    product for a block of batch rows, the blocks on fastattn's worker pool;
+    the weight gradient is then one GEMM over all steps.  Deterministic: the
+    row blocks and every summation order are fixed by the shapes, so any
+    ``n_threads`` gives the same bits.
     """
     a = _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
     G = RNN_CELLS[cell]
     B, T, H, GH, ct = a.B, a.T, a.H, a.GH, a.ct
-    arrays = list(a.arrays)
     o = _array(outputs, "outputs")
     if o.shape != (B, T, H):
         raise ValueError(f"outputs: expected shape {(B, T, H)} (the forward's outputs), got {o.shape}")
@@ -231,105 +244,81 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
         if name == "grad_c_n" and cell != "lstm":
             raise ValueError(f"grad_c_n: only an LSTM has a cell state (cell {cell!r})")
         grads_in[name] = check_grad_array(g_, name, shape).astype(ct, copy=False)
-    xwd = a.xw.astype(ct, copy=False)
-    W = np.ascontiguousarray(a.w, dtype=ct)
-    bh = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
-    h0d = a.h.astype(ct, copy=False)
-    lens = np.full(B, T, np.int64) if a.lens is None else a.lens
-    if B == 0 or T == 0 or H == 0:
-        lens = np.zeros(B, np.int64)   # no step runs: every gradient passes straight through
-    steps = np.arange(T)
-    active = steps[None, :] < lens[:, None]                                   # (B, T)
-    # the state before each step, in processing order
-    od = o.astype(ct, copy=False)
-    hprev = np.zeros((B, T, H), ct)
-    if T == 0:
-        pass
-    elif reverse:
-        hprev[:, :-1] = od[:, 1:]
-        last = np.clip(lens - 1, 0, None)
-        hprev[:, -1] = h0d
-        hprev[np.arange(B), last] = h0d       # a row starts at its last real step
-    else:
-        hprev[:, 1:] = od[:, :-1]
-        hprev[:, 0] = h0d
-    # every step's hidden products at once, on fastattn's pool (NumPy's threaded
-    # BLAS stalled each of these calls while another process held a core), in
-    # tiles fixed by the shapes: the same bits for any thread count
-    gh = _matmul(hprev.reshape(B * T, H), W.T, ct, a.nt).reshape(B, T, GH)
-    if bh is not None:
-        gh += bh
-    pre = xwd + gh if cell != "gru" else None
-    cs = None
-    if cell == "lstm":
-        ig, fg = _sigmoid(pre[..., :H]), _sigmoid(pre[..., H:2 * H])
-        gg, og = np.tanh(pre[..., 2 * H:3 * H]), _sigmoid(pre[..., 3 * H:])
-        c = np.zeros((B, H), ct) if a.c is None else a.c.astype(ct)
-        cprev = np.empty((B, T, H), ct)
-        cs = np.empty((B, T, H), ct)
-        for t in (range(T - 1, -1, -1) if reverse else range(T)):
-            act = active[:, t][:, None]
-            cprev[:, t] = c
-            cn = fg[:, t] * c + ig[:, t] * gg[:, t]
-            c = np.where(act, cn, c)
-            cs[:, t] = cn
-        tc = np.tanh(cs)
-    elif cell == "gru":
-        r = _sigmoid(xwd[..., :H] + gh[..., :H])
-        z = _sigmoid(xwd[..., H:2 * H] + gh[..., H:2 * H])
-        n = np.tanh(xwd[..., 2 * H:] + r * gh[..., 2 * H:])
-    else:
-        hn = np.maximum(pre, 0) if cell == "rnn_relu" else np.tanh(pre)
-
-    dxw = np.zeros((B, T, GH), ct)
-    dgh = np.zeros((B, T, GH), ct)
-    dh = np.zeros((B, H), ct) if grads_in["grad_h_n"] is None else grads_in["grad_h_n"].copy()
+    if gates is not None:
+        gates = check_grad_array(gates, "gates", (B, T, GH))
+    # dL/dh and dL/dc flow backwards through these (copies: inputs are never modified)
+    dh = np.zeros((B, H), ct) if grads_in["grad_h_n"] is None else np.array(
+        grads_in["grad_h_n"], dtype=ct, order="C", copy=True)
     dc = None
     if cell == "lstm":
-        dc = np.zeros((B, H), ct) if grads_in["grad_c_n"] is None else grads_in["grad_c_n"].copy()
+        dc = np.zeros((B, H), ct) if grads_in["grad_c_n"] is None else np.array(
+            grads_in["grad_c_n"], dtype=ct, order="C", copy=True)
+    bh = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
+    if B == 0 or T == 0 or H == 0:   # no step runs: every gradient passes straight through
+        dxw = np.zeros((B, T, GH), ct)
+        dW = np.zeros((GH, H), ct)
+        db = None if bh is None else np.zeros(GH, ct)
+        return _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct)
+    xwd = _step_rows(a.xw.astype(ct, copy=False))
+    W = canonical_matrix_stack(a.w, ct)
+    hprev = _states_before(o.astype(ct, copy=False), a.h.astype(ct, copy=False), a.lens, reverse)
+    if gates is not None:   # the forward's, b_hh included
+        gh, bgh = _contig(gates, ct), None
+    else:
+        # every step's hidden products at once, on fastattn's pool (tiles fixed
+        # by the shapes: the same bits for any thread count); b_hh added in C
+        gh, bgh = _matmul(hprev.reshape(B * T, H), W.T, ct, a.nt).reshape(B, T, GH), bh
     go = grads_in["grad_outputs"]
-    for t in (range(T) if reverse else range(T - 1, -1, -1)):
-        act = active[:, t][:, None]
-        if not act.any():
-            continue
-        d = dh + go[:, t] if go is not None else dh
-        if cell == "gru":
-            rt, zt, nt_ = r[:, t], z[:, t], n[:, t]
-            dn = d * (1 - zt)
-            dz = d * (hprev[:, t] - nt_)
-            dan = dn * (1 - nt_ * nt_)
-            dar = dan * gh[:, t, 2 * H:] * rt * (1 - rt)
-            daz = dz * zt * (1 - zt)
-            di = np.concatenate([dar, daz, dan], axis=1)
-            dhh = np.concatenate([dar, daz, dan * rt], axis=1)
-            direct = d * zt
-        elif cell == "lstm":
-            it, ft, gt, ot, tct = ig[:, t], fg[:, t], gg[:, t], og[:, t], tc[:, t]
-            dct = dc + d * ot * (1 - tct * tct)
-            di = np.concatenate([dct * gt * it * (1 - it), dct * cprev[:, t] * ft * (1 - ft),
-                                 dct * it * (1 - gt * gt), d * tct * ot * (1 - ot)], axis=1)
-            dhh = di
-            direct = 0.0
-            dc = np.where(act, dct * ft, dc)
-        else:
-            ht = hn[:, t]
-            da = d * ((ht > 0) if cell == "rnn_relu" else (1 - ht * ht))
-            di = dhh = da
-            direct = 0.0
-        di = np.where(act, di, 0.0)
-        dhh = np.where(act, dhh, 0.0)
-        dxw[:, t] = di
-        dgh[:, t] = dhh
-        dh = np.where(act, direct + _matmul(dhh, W, ct, a.nt), dh)
-    # dW_hh = sum over steps of dgates^T h_prev: one product over all B*T rows
-    dW = _matmul(dgh.reshape(B * T, GH).T, hprev.reshape(B * T, H), ct, a.nt)
-    db = None if bh is None else dgh.sum(axis=(0, 1))
+    if go is not None:
+        go = _step_rows(go)
+    c0c = None if (cell != "lstm" or a.c is None) else _contig(a.c, ct)
+    dxw = np.empty((B, T, GH), ct)
+    dgh = np.empty((B, T, GH), ct) if cell == "gru" else None
+    # dL/db_hh: each row block's sums in float64; dL/dW_hh: each row block's
+    # dgh^T h_prev, gemms of ~32 rows with beta = 1 (in C); then the blocks' in order
+    nb, _ = _rnn.backward_blocks(B, H, G)
+    dbb = None if bh is None else np.zeros((B, GH), np.float64)
+    dwb = np.zeros((nb, GH, H), ct)
+    _ensure_runtime()
+    _rnn.scan_backward(_rnn.CELLS[cell], xwd, gh, bgh, hprev, c0c, go, W, a.lens, bool(reverse),
+                       dxw, dgh, dh, dc, dbb, dwb, a.nt)
+    dW = dwb[0] if nb == 1 else dwb.sum(axis=0)
+    db = None if dbb is None else dbb.sum(axis=0).astype(ct)
+    return _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct)
 
+
+def _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct):
+    """rnn_scan_backward's results in their inputs' dtypes."""
     def back(g_, x):
         return None if g_ is None else g_.astype(grad_dtype(x, ct), copy=False)
 
     return (back(dxw, xw), back(dW, w_hh), back(db, b_hh), back(dh, h0),
             back(dc, c0 if c0 is not None else np.zeros(0, ct)) if cell == "lstm" else None)
+
+
+def _step_rows(x):
+    """A (B, T, n) array as the kernels read one: element strides (multiples of
+    the item size), the last axis contiguous, aligned (a copy otherwise)."""
+    if (x.strides[2] != x.itemsize or not x.flags.aligned
+            or any(st % x.itemsize for st in x.strides)):
+        return np.ascontiguousarray(x)
+    return x
+
+
+def _states_before(out, h0, lens, reverse):
+    """(B, T, H): the state each step started from, in the forward's order (h0
+    at a row's first step; with ``reverse`` that is its last real step)."""
+    B, T, H = out.shape
+    hprev = np.empty((B, T, H), out.dtype)
+    if reverse:
+        hprev[:, :-1] = out[:, 1:]
+        hprev[:, -1] = h0
+        if lens is not None:
+            hprev[np.arange(B), np.clip(lens - 1, 0, None)] = h0
+    else:
+        hprev[:, 1:] = out[:, :-1]
+        hprev[:, 0] = h0
+    return hprev
 
 
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):

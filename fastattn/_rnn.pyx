@@ -54,6 +54,8 @@ cdef extern from "fa_rnn.h" nogil:
         int64_t out_bs, out_ts
         const int64_t *lengths
         int reverse
+        void *gates
+        int64_t gates_bs, gates_ts
         int64_t small_m
         fa_sgemm_fn sgemm
         fa_dgemm_fn dgemm
@@ -88,9 +90,46 @@ cdef extern from "fa_rnn.h" nogil:
     int fa_rnn_gates(int cell)
     int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *scratch)
     int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *scratch)
+    ctypedef struct fa_rnn_bwd_args:
+        int cell
+        int simd
+        int64_t B, T, H
+        const void *xw
+        int64_t xw_bs, xw_ts
+        const void *gh
+        const void *bhh
+        const void *hprev
+        const void *c0
+        const void *go
+        int64_t go_bs, go_ts
+        const void *whh
+        int64_t ldw
+        const float *wpack
+        const int64_t *lengths
+        int reverse
+        void *dxw
+        void *dgh
+        void *dh
+        void *dc
+        double *db
+        void *dw
+        int64_t dw_rows, dw_steps
+        fa_sgemm_fn sgemm
+        fa_dgemm_fn dgemm
+    int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps)
+    int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch)
+    int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, double *scratch)
+    int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
+                       float *scratch)
+    int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
+                       double *scratch)
 
 cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
+    int fa_proj_packed_available()
+    int64_t fa_proj_packed_size(int64_t n, int64_t k)
+    void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                                   const float *bt, int64_t ldb, float *wp)
 
 # this module's copy of fastattn._kernels' pool, BLAS hold and SIMD switch
 # (fastattn/_runtime.pxd): a C static, so all NULL until set_runtime
@@ -132,6 +171,13 @@ DEF CELL_PARALLEL_MIN_FLOPS = 400000.0
 # Main-thread scans: steps per chunk such that a chunk is about this many
 # flops of h W_hh^T (~5-10 ms), at least one step.
 cdef double g_chunk_flops = 1e8
+# Backward (scan_backward): the rows in at most BWD_BLOCKS blocks of at least
+# min_block_rows, fixed by the sizes alone (never by the thread count, so
+# every thread count gives the same bits); below PARALLEL_MIN_FLOPS per step
+# and block, one block.
+cdef int g_bwd_blocks = 4
+# dW_hh: each block's gemms of about DW_ROWS rows (dw_steps = DW_ROWS // rows steps)
+DEF DW_ROWS = 32
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
@@ -150,11 +196,14 @@ def simd_active():
 
 
 def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None,
-               chunk_flops=None):
+               chunk_flops=None, bwd_blocks=None):
     """Change the blocking parameters (for tuning sweeps and tests); returns the previous ones."""
-    global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split, g_chunk_flops
+    global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split, g_chunk_flops, g_bwd_blocks
     prev = dict(min_block_rows=g_min_block_rows, blocks_per_thread=g_blocks_per_thread,
-                small_m=g_small_m, split=bool(g_split), chunk_flops=g_chunk_flops)
+                small_m=g_small_m, split=bool(g_split), chunk_flops=g_chunk_flops,
+                bwd_blocks=g_bwd_blocks)
+    if bwd_blocks is not None:
+        g_bwd_blocks = max(1, int(bwd_blocks))
     if chunk_flops is not None:
         g_chunk_flops = max(0.0, float(chunk_flops))
     if split is not None:
@@ -226,17 +275,19 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
         fa_store_status(&c.status, rc)
 
 
-cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, int64_t item,
-                             int64_t t0, int64_t tc, const int64_t *lens_all,
+cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, char *gates_base,
+                             int64_t item, int64_t t0, int64_t tc, const int64_t *lens_all,
                              int64_t *lens_c) noexcept nogil:
-    """Point s.a at steps [t0, t0 + tc): inputs and outputs from step t0 on, the
-    lengths counted from t0 (a row is live at local step u when t0 + u < its
-    length, in either direction)."""
+    """Point s.a at steps [t0, t0 + tc): inputs, outputs and gates from step t0
+    on, the lengths counted from t0 (a row is live at local step u when t0 + u
+    < its length, in either direction)."""
     cdef int64_t r, l
     s.a.T = tc
     s.a.xw = xw_base + t0 * s.a.xw_ts * item
     if out_base != NULL:
         s.a.out = out_base + t0 * s.a.out_ts * item
+    if gates_base != NULL:
+        s.a.gates = gates_base + t0 * s.a.gates_ts * item
     if lens_all != NULL:
         for r in range(s.a.B):
             l = lens_all[r] - t0
@@ -245,7 +296,7 @@ cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, i
 
 
 def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, object c,
-         object out, object lengths, bint reverse, int n_threads):
+         object out, object lengths, bint reverse, int n_threads, object gates=None):
     """Run one layer and direction over all time steps.
 
     xw: (B, T, G*H) input projections (b_ih included), last axis contiguous,
@@ -253,7 +304,8 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     bhh: (G*H,) contiguous or None; h: (B, H) C-contiguous, the initial state,
     overwritten with the final one; c: the same for LSTM, else None; out:
     (B, T, H) with last axis contiguous, or None; lengths: (B,) int64
-    contiguous with values in [0, T], or None.  One float dtype throughout;
+    contiguous with values in [0, T], or None; gates: (B, T, G*H) with last axis
+    contiguous, receives h W_hh^T + b_hh of every real step, or None.  One float dtype throughout;
     B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks,
     or minus the number of threads when the units were split instead.
     From the main thread, KeyboardInterrupt stops the scan between chunks of
@@ -296,6 +348,14 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     else:
         s.a.lengths = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>lengths)
     s.a.reverse = reverse
+    if gates is None:
+        s.a.gates = NULL
+        s.a.gates_bs = 0
+        s.a.gates_ts = 0
+    else:
+        s.a.gates = cnp.PyArray_DATA(<cnp.ndarray>gates)
+        s.a.gates_bs = cnp.PyArray_STRIDES(<cnp.ndarray>gates)[0] // item
+        s.a.gates_ts = cnp.PyArray_STRIDES(<cnp.ndarray>gates)[1] // item
     s.a.small_m = g_small_m
     s.a.sgemm = <fa_sgemm_fn>sgemm
     s.a.dgemm = <fa_dgemm_fn>dgemm
@@ -319,6 +379,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
         lens_c = <int64_t *>cnp.PyArray_DATA(lens_chunk)
     cdef const char *xw_base = <const char *>s.a.xw
     cdef char *out_base = <char *>s.a.out
+    cdef char *gates_base = <char *>s.a.gates
     cdef int64_t t0, tc, k, hb_bytes = B * H * item
     cdef unsigned char *claimed_base = NULL
     cdef int *done_base = NULL
@@ -367,7 +428,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
             tc = chunk if chunk < T - k else T - k
             t0 = k if not reverse else T - k - tc
             if tc < T:
-                _chunk_args(&s, xw_base, out_base, item, t0, tc, lens_all, lens_c)
+                _chunk_args(&s, xw_base, out_base, gates_base, item, t0, tc, lens_all, lens_c)
             if s.split:
                 s.sp.claimed = claimed_base + k * s.sp.nb
                 s.sp.done = done_base + k
@@ -475,4 +536,171 @@ def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, 
         runtime_run(&g_rt, nblocks, nt, _cell_task, &s, NULL, NULL)
         runtime_release(&g_rt, hook)
     _check_status(s.status, "cell", B, -1, H, nin, cell)
+    return nblocks
+
+
+ctypedef struct bwd_ctx:
+    fa_rnn_bwd_args a
+    int f32
+    int64_t rows           # rows per block
+    int64_t per            # scratch elements per block
+    char *scratch          # block i: elements [i * per, (i + 1) * per)
+    int64_t item
+    int cstate             # this pool call: the LSTM cell states (else steps [s0, s1))
+    int64_t s0, s1
+    int status
+
+
+cdef void _bwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef bwd_ctx *c = <bwd_ctx *>vctx
+    cdef int64_t b0 = t * c.rows
+    cdef int64_t b1 = b0 + c.rows
+    cdef int rc
+    cdef char *sp = c.scratch + t * c.per * c.item
+    if b1 > c.a.B:
+        b1 = c.a.B
+    if b0 >= b1:
+        return
+    if c.cstate:
+        if c.f32:
+            rc = fa_rnn_bwd_cstate_f32(&c.a, b0, b1, <float *>sp)
+        else:
+            rc = fa_rnn_bwd_cstate_f64(&c.a, b0, b1, <double *>sp)
+    elif c.f32:
+        rc = fa_rnn_bwd_f32(&c.a, b0, b1, c.s0, c.s1, <float *>sp)
+    else:
+        rc = fa_rnn_bwd_f64(&c.a, b0, b1, c.s0, c.s1, <double *>sp)
+    if rc != 0:
+        fa_store_status(&c.status, rc)
+
+
+def backward_blocks(int64_t B, int64_t H, int G):
+    """The row blocks of scan_backward for these sizes: ``(blocks, rows per block)``."""
+    cdef int64_t nblocks, rows
+    if B < 2 or 2.0 * B * G * H * H < PARALLEL_MIN_FLOPS * 2:
+        nblocks = 1
+    else:
+        nblocks = g_bwd_blocks
+        if nblocks * g_min_block_rows > B:
+            nblocks = B // g_min_block_rows
+        if nblocks < 1:
+            nblocks = 1
+    rows = (B + nblocks - 1) // nblocks
+    if rows > 4:
+        rows = (rows + 3) // 4 * 4   # the product's kernel takes rows 4 (or 6) at a time
+    return (B + rows - 1) // rows, rows
+
+
+def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object hprev, object c0,
+                  object go, cnp.ndarray whh, object lengths, bint reverse, cnp.ndarray dxw,
+                  object dgh, cnp.ndarray dh, object dc, object db, object dw, int n_threads):
+    """The dh (and dc) recurrence of one layer and direction, backwards over all steps.
+
+    xw: (B, T, G*H) the forward's input projections, last axis contiguous, any
+    batch / time strides; gh: (B, T, G*H) C-contiguous, the hidden products
+    h_{t-1} W_hh^T, with b_hh included when bhh is None, else bhh (G*H,)
+    contiguous is added here; hprev: (B, T, H) C-contiguous states before each
+    step (GRU; None otherwise); c0: (B, H) C-contiguous (LSTM) or None; go:
+    (B, T, H) last axis contiguous or None; whh: (G*H, H) rows contiguous;
+    lengths: (B,) int64 contiguous or None.  Outputs: dxw (B, T, G*H)
+    C-contiguous; dgh the same (GRU) or None; dh (B, H) C-contiguous holds
+    dL/dh_T and receives dL/dh_0; dc the same for LSTM, else None; db: (B, G*H)
+    float64 zeros or None, row i * rows receives row block i's sums of dgh
+    (float64; dL/db_hh = db.sum(0), in block order); dw: (blocks, G*H, H)
+    zeros (blocks from backward_blocks) or None, dw[i] receives row block i's
+    dgh^T hprev (dL/dW_hh = dw.sum(0), in block order).  One float
+    dtype; B, T, H >= 1; G*H, H, B within int.  Returns the number of row
+    blocks (fixed by B, G and H).  From the main thread, KeyboardInterrupt
+    stops between chunks of steps and is raised here.
+    """
+    cdef bwd_ctx s
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(xw)
+    cdef int64_t B = cnp.PyArray_DIMS(xw)[0]
+    cdef int64_t T = cnp.PyArray_DIMS(xw)[1]
+    cdef int64_t H = cnp.PyArray_DIMS(dh)[1]
+    cdef int G = _gates(cell)
+    cdef int nt = n_threads if n_threads > 0 else 1
+    cdef int64_t nblocks, rows, k, tc
+    cdef void *hook = NULL
+    cdef cnp.ndarray scratch, wpack = None
+    s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
+    s.item = item
+    s.a.cell = cell
+    s.a.simd = runtime_simd(&g_rt)
+    s.a.B = B
+    s.a.T = T
+    s.a.H = H
+    s.a.xw = cnp.PyArray_DATA(xw)
+    s.a.xw_bs = cnp.PyArray_STRIDES(xw)[0] // item
+    s.a.xw_ts = cnp.PyArray_STRIDES(xw)[1] // item
+    s.a.gh = cnp.PyArray_DATA(gh)
+    s.a.bhh = NULL if bhh is None else cnp.PyArray_DATA(<cnp.ndarray>bhh)
+    s.a.hprev = NULL if hprev is None else cnp.PyArray_DATA(<cnp.ndarray>hprev)
+    s.a.c0 = NULL if c0 is None else cnp.PyArray_DATA(<cnp.ndarray>c0)
+    if go is None:
+        s.a.go = NULL
+        s.a.go_bs = 0
+        s.a.go_ts = 0
+    else:
+        s.a.go = cnp.PyArray_DATA(<cnp.ndarray>go)
+        s.a.go_bs = cnp.PyArray_STRIDES(<cnp.ndarray>go)[0] // item
+        s.a.go_ts = cnp.PyArray_STRIDES(<cnp.ndarray>go)[1] // item
+    s.a.whh = cnp.PyArray_DATA(whh)
+    s.a.ldw = H if cnp.PyArray_DIMS(whh)[0] <= 1 else cnp.PyArray_STRIDES(whh)[0] // item
+    s.a.wpack = NULL
+    if lengths is None:
+        s.a.lengths = NULL
+    else:
+        s.a.lengths = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>lengths)
+    s.a.reverse = reverse
+    s.a.dxw = cnp.PyArray_DATA(dxw)
+    s.a.dgh = NULL if dgh is None else cnp.PyArray_DATA(<cnp.ndarray>dgh)
+    s.a.dh = cnp.PyArray_DATA(dh)
+    s.a.dc = NULL if dc is None else cnp.PyArray_DATA(<cnp.ndarray>dc)
+    s.a.db = NULL if db is None else <double *>cnp.PyArray_DATA(<cnp.ndarray>db)
+    s.a.sgemm = <fa_sgemm_fn>sgemm
+    s.a.dgemm = <fa_dgemm_fn>dgemm
+    s.status = 0
+    nblocks, rows = backward_blocks(B, H, G)
+    s.rows = rows
+    s.a.dw = NULL if dw is None else cnp.PyArray_DATA(<cnp.ndarray>dw)
+    s.a.dw_rows = rows
+    s.a.dw_steps = DW_ROWS // rows if rows < DW_ROWS else 1
+    s.per = fa_rnn_bwd_scratch(cell, rows, T, H, s.a.dw_steps if dw is not None else 0)
+    scratch = cnp.PyArray_EMPTY(1, [nblocks * s.per], cnp.PyArray_TYPE(xw), 0)
+    s.scratch = <char *>cnp.PyArray_DATA(scratch)
+    if s.f32 and s.a.simd and fa_proj_packed_available():
+        # W_hh^T packed once for the AVX2 kernel (its 16-column panels)
+        wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(H, <int64_t>G * H)], cnp.NPY_FLOAT32, 0)
+        s.a.wpack = <const float *>cnp.PyArray_DATA(wpack)
+    # main thread: the steps in chunks, the stop callback asked between them
+    cdef interrupt_state intr
+    cdef bint interruptible = interrupt_arm(&intr, _main_ident) != NULL
+    cdef int64_t chunk = T
+    cdef double step_flops = 2.0 * B * G * H * H
+    if interruptible and step_flops * T > g_chunk_flops:
+        chunk = <int64_t>(g_chunk_flops / step_flops)
+        if chunk < 1:
+            chunk = 1
+    with nogil:
+        hook = runtime_hold(&g_rt)
+        if s.a.wpack != NULL:
+            fa_proj_pack_t_panels_f32(0, (H + 15) // 16, H, <int64_t>G * H,
+                                      <const float *>s.a.whh, s.a.ldw, <float *>s.a.wpack)
+        if cell == 3:   # LSTM: the cell states of every step first
+            s.cstate = 1
+            runtime_run(&g_rt, nblocks, nt, _bwd_task, &s, NULL, NULL)
+        s.cstate = 0
+        k = 0
+        while k < T and s.status == 0:
+            tc = chunk if chunk < T - k else T - k
+            s.s0 = k
+            s.s1 = k + tc
+            runtime_run(&g_rt, nblocks, nt, _bwd_task, &s, NULL, NULL)
+            k += tc
+            if k < T and interruptible and interrupt_stop(&intr):
+                break
+        runtime_release(&g_rt, hook)
+    interrupt_raise(&intr)
+    _check_status(s.status, "recurrence backward", B, T, H, -1, cell)
     return nblocks

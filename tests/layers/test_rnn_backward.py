@@ -264,3 +264,152 @@ def test_rnn_cell_backward_matches_the_oracle(cell, dtype, rng):
         assert_close(a, r, dtype, err_msg=name)
     if cell == "lstm":
         assert_close(got[6], dc, dtype)
+
+
+# ------------------------------------------------------ the compiled kernel
+# csrc/fa_rnn_bwd.c through rnn_scan_backward: SIMD on and off, H not a
+# multiple of the vector width, B = 1, lengths with 0 and T, h0 / c0 given or
+# zero, the forward's saved gates or recomputed hidden products.
+
+from fastattn import _rnn  # noqa: E402
+
+
+@pytest.mark.parametrize("gates", [False, True], ids=["recompute", "saved"])
+@pytest.mark.parametrize("shape", [(1, 6, 13), (9, 5, 20)], ids=["B1-H13", "B9-H20"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_kernel_matches_the_oracle(simd_mode, dtype, cell, reverse, shape, gates, rng, monkeypatch):
+    Bk, Tk, Hk = shape
+    G, mode, nl = CELLS[cell]
+    xw = randn(rng, (Bk, Tk, G * Hk), dtype)
+    W = randn(rng, (G * Hk, Hk), dtype, 0.3)
+    b = randn(rng, (G * Hk,), dtype)
+    zero_state = Bk == 1
+    h0 = np.zeros((Bk, Hk), dtype) if zero_state else randn(rng, (Bk, Hk), dtype)
+    c0 = None if cell != "lstm" or zero_state else randn(rng, (Bk, Hk), dtype)
+    lengths = [Tk] if Bk == 1 else [Tk, 0, 3, Tk, 1, 0, 5, 2, Tk]
+    calls = []
+    real = _rnn.scan_backward
+    monkeypatch.setattr(_rnn, "scan_backward", lambda *a: calls.append(1) or real(*a))
+    res = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths, reverse=reverse,
+                   return_gates=gates)
+    out = res[0]
+    go, ghn = randn(rng, (Bk, Tk, Hk), dtype), randn(rng, (Bk, Hk), dtype)
+    gcn = randn(rng, (Bk, Hk), dtype) if cell == "lstm" else None
+    args = (xw, W, b, h0, out, go, ghn) + ((res[3],) if gates else ())
+    before = [a.copy() for a in args]
+    got = rnn_scan_backward(go, ghn, xw, W, b, h0, out, cell=cell, c0=c0, grad_c_n=gcn,
+                            lengths=lengths, reverse=reverse, gates=res[3] if gates else None)
+    assert calls == [1]   # the C recurrence ran
+    ref = R.rnn_scan_backward(mode, go, ghn, xw, W, b, h0, c0, gcn, lengths, reverse, nonlinearity=nl)
+    for name, a, r in zip(("dxw", "dw_hh", "db_hh", "dh0", "dc0"), got, ref):
+        if r is None:
+            assert a is None, name
+            continue
+        assert a.dtype == dtype, name
+        assert_close(a, r, dtype, err_msg=name)
+    for s, n in enumerate(lengths):
+        assert np.all(got[0][s, n:] == 0)
+    for a, c in zip(args, before):
+        np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_saved_gates_are_the_hidden_products(cell, rng):
+    """rnn_scan(return_gates=True): h_{t-1} W_hh^T + b_hh of every real step, zeros elsewhere;
+    the other results are those of the plain call, bit for bit."""
+    G = CELLS[cell][0]
+    Bk, Tk, Hk = 6, 5, 24
+    xw, W, b = randn(rng, (Bk, Tk, G * Hk)), randn(rng, (G * Hk, Hk), scale=0.3), randn(rng, (G * Hk,))
+    h0 = randn(rng, (Bk, Hk))
+    c0 = randn(rng, (Bk, Hk)) if cell == "lstm" else None
+    lengths = [5, 0, 2, 5, 1, 3]
+    for reverse in (False, True):
+        out, hn, cn, gates = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths,
+                                      reverse=reverse, return_gates=True)
+        plain = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, lengths=lengths, reverse=reverse)
+        for a, p in zip((out, hn, cn), plain):
+            if p is not None:
+                np.testing.assert_array_equal(a, p)
+        assert gates.shape == (Bk, Tk, G * Hk) and gates.dtype == np.float64
+        for s, n in enumerate(lengths):
+            steps = range(n) if not reverse else range(n - 1, -1, -1)
+            h = h0[s]
+            for t in steps:
+                np.testing.assert_allclose(gates[s, t], W @ h + b, rtol=1e-12, atol=1e-12)
+                h = out[s, t]
+            assert np.all(gates[s, n:] == 0)
+
+
+@pytest.mark.parametrize("gates", [False, True], ids=["recompute", "saved"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_kernel_same_bits_for_one_and_two_threads(cell, dtype, gates, rng):
+    """Enough rows for several row blocks (each its own products): n_threads 1, 2 and 3
+    give the same bits, and the blocks are fixed by the shapes."""
+    G = CELLS[cell][0]
+    Bk, Tk, Hk = 32, 9, 90
+    assert _rnn.backward_blocks(Bk, Hk, G)[0] > 1
+    xw = randn(rng, (Bk, Tk, G * Hk), dtype)
+    W = randn(rng, (G * Hk, Hk), dtype, 0.2)
+    b = randn(rng, (G * Hk,), dtype)
+    h0 = randn(rng, (Bk, Hk), dtype)
+    lengths = rng.integers(0, Tk + 1, Bk)
+    res = rnn_scan(xw, W, b, h0, cell=cell, lengths=lengths, return_gates=True)
+    go = randn(rng, (Bk, Tk, Hk), dtype)
+    got = [rnn_scan_backward(go, None, xw, W, b, h0, res[0], cell=cell, lengths=lengths,
+                             gates=res[3] if gates else None, n_threads=n) for n in (1, 2, 3)]
+    for other in got[1:]:
+        for a, c in zip(got[0], other):
+            if a is not None:
+                np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm", "rnn_tanh"])
+def test_float32_accuracy_as_torch_float32(cell, rng):
+    """float32 gradients against the float64 oracle: rms error no worse than torch
+    float32 autograd's (the same float32 weights and inputs), within 1.2x."""
+    G, mode, nl = CELLS[cell]
+    Bk, Tk, Hk = 16, 48, 64
+    cls = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM, "rnn_tanh": torch.nn.RNN}[cell]
+    torch.manual_seed(0)
+    layer = cls(Hk, Hk, batch_first=True)
+    x = randn(rng, (Bk, Tk, Hk), np.float32)
+    go = randn(rng, (Bk, Tk, Hk), np.float32)
+    tx = torch.tensor(x, requires_grad=True)
+    out_t, _ = layer(tx)
+    out_t.backward(torch.tensor(go))
+    Wih, bih = layer.weight_ih_l0.detach().numpy(), layer.bias_ih_l0.detach().numpy()
+    W, b = layer.weight_hh_l0.detach().numpy(), layer.bias_hh_l0.detach().numpy()
+    xw = (x @ Wih.T + bih).astype(np.float32)
+    h0 = np.zeros((Bk, Hk), np.float32)
+    c0 = np.zeros((Bk, Hk), np.float32) if cell == "lstm" else None
+    out, _, _, gates = rnn_scan(xw, W, b, h0, cell=cell, c0=c0, return_gates=True)
+    dxw, dW, db, _, _ = rnn_scan_backward(go, None, xw, W, b, h0, out, cell=cell, c0=c0, gates=gates)
+    rdxw, rdW, rdb, _, _ = R.rnn_scan_backward(mode, go, None, xw.astype(np.float64), W, b, h0, c0,
+                                               None, nonlinearity=nl)
+
+    def rms(a, r):
+        return float(np.sqrt(np.mean((np.asarray(a, np.float64) - r) ** 2)))
+
+    # torch's float32 dL/dxw is its bias_ih gradient per step: compare what both have
+    for name, a, t, r in (("dw_hh", dW, layer.weight_hh_l0.grad.numpy(), rdW),
+                          ("db_hh", db, layer.bias_hh_l0.grad.numpy(), rdb),
+                          ("dw_ih", dxw.reshape(-1, G * Hk).T.astype(np.float64) @ x.reshape(-1, Hk),
+                           layer.weight_ih_l0.grad.numpy(),
+                           rdxw.reshape(-1, G * Hk).T @ x.reshape(-1, Hk).astype(np.float64))):
+        assert rms(a, r) <= 1.2 * rms(t, r), name
+
+
+def test_gates_and_return_gates_bad_input(rng):
+    xw, W, b, h0, c0 = case(rng, "gru")
+    o, _, _ = rnn_scan(xw, W, b, h0, cell="gru")
+    with pytest.raises(ValueError, match=r"^gates: expected shape \(3, 7, 15\), got \(3, 7, 5\)"):
+        rnn_scan_backward(None, None, xw, W, b, h0, o, cell="gru", gates=o)
+    with pytest.raises(TypeError, match=r"^gates: expected a real floating array"):
+        rnn_scan_backward(None, None, xw, W, b, h0, o, cell="gru", gates=np.zeros((3, 7, 15), int))
+    with pytest.raises(TypeError, match=r"^return_gates: expected a bool, got int"):
+        rnn_scan(xw, W, b, h0, cell="gru", return_gates=1)
+    e = rnn_scan(xw[:, :0], W, b, h0, cell="gru", return_gates=True)
+    assert len(e) == 4 and e[3].shape == (B, 0, 3 * H)
