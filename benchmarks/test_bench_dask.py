@@ -138,3 +138,14 @@ def test_key_split_sdpa(benchmark, client):
           f"growth over the whole graph " + ", ".join(f"{g / 2 ** 20:.1f} MB"
                                                        for g in growth.values()))
     benchmark.pedantic(lambda: client.compute(out, sync=True), rounds=3, iterations=1)
+
+
+@pytest.mark.benchmark(group="dask key-split SDPA 1x8x16384x64 f32")
+def test_key_split_one_machine(benchmark):
+    """The same SDPA as one fastattn call in this process (2 threads)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 8, 16384, 64), dtype=np.float32) for _ in range(3))
+    benchmark.extra_info.update(kind="dask_key_split", impl="one machine (2 threads)")
+    with fastattn.threads(2):
+        benchmark.pedantic(lambda: fastattn.scaled_dot_product_attention(q, k, v), rounds=3,
+                           iterations=1)
