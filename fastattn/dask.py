@@ -7,7 +7,8 @@ Optional (``pip install 'fastattn[dask]'``: ``dask[array]`` and
   NumPy) arrays and return a lazy dask array.  Chunks along the batch dims
   and the queries pass through: one fastattn call per block.  Chunks along
   the keys give per-block ``(out, lse)`` partials, combined by a tree
-  reduction with :func:`fastattn.merge_attention`; causal blocks that see no
+  reduction with :func:`fastattn.merge_attention` (a fold in key order by
+  default, a balanced tree with ``split_every``); causal blocks that see no
   key are left out of the graph, and a mask is sliced to the blocks (a
   ``(B, 1, 1, Lk)`` padding mask is never expanded).  The feature axes must
   be one chunk each.
@@ -47,8 +48,6 @@ from fastattn.similarity import Similarity
 
 __all__ = ["scaled_dot_product_attention", "attention", "apply", "WorkerSetup", "task_threads"]
 
-#: Partials merged per reduction step (the tree's fan-in).
-SPLIT_EVERY = 4
 
 # The thread count WorkerSetup installed in this (worker) process; None: the default rule.
 _worker_threads = None
@@ -215,7 +214,11 @@ def _result_dtype(q, k, v, mask):
 # ---------------------------------------------------------------- attention
 
 def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alignment,
-                     n_threads, sim, params, return_lse):
+                     n_threads, sim, params, return_lse, split_every):
+    if split_every is not None and (isinstance(split_every, bool)
+                                    or not isinstance(split_every, (int, np.integer))
+                                    or split_every < 2):
+        raise ValueError(f"split_every: expected an int >= 2 or None, got {split_every!r}")
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right', got "
                          f"{causal_alignment!r}")
@@ -286,7 +289,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
     qb, kb = _bounds(qchunks), _bounds(kchunks)
     off = 0 if causal_alignment == "top_left" else Lk - Lq
     token = tokenize(q.name, k.name, v.name, None if m is None else m.name, is_causal, scale,
-                     causal_alignment, n_threads, sim, params)
+                     causal_alignment, n_threads, sim, params, split_every)
     pname, oname, lname = (f"fastattn-sdpa-{w}-{token}" for w in ("part", "out", "lse"))
     dsk = {}
 
@@ -321,11 +324,18 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
                 n_calls += 1
             out_shape = bshape + (q1 - q0, dv)
             level = 0
+            if split_every is None and len(parts) > 1:  # a fold: each merge takes the next part
+                acc = parts[0]
+                for g, part in enumerate(parts[1:]):
+                    mkey = (f"fastattn-sdpa-chain-{token}",) + idx + (i, g)
+                    dsk[mkey] = (_merge, acc, part)
+                    acc = mkey
+                parts = [acc]
             while len(parts) > 1:
                 nxt = []
-                for g in range(0, len(parts), SPLIT_EVERY):
-                    mkey = (f"fastattn-sdpa-merge{level}-{token}",) + idx + (i, g // SPLIT_EVERY)
-                    dsk[mkey] = (_merge,) + tuple(parts[g:g + SPLIT_EVERY])
+                for g in range(0, len(parts), split_every):
+                    mkey = (f"fastattn-sdpa-merge{level}-{token}",) + idx + (i, g // split_every)
+                    dsk[mkey] = (_merge,) + tuple(parts[g:g + split_every])
                     nxt.append(mkey)
                 parts, level = nxt, level + 1
             final = parts[0] if parts else None
@@ -350,7 +360,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
                                  *, causal_alignment="top_left", n_threads=None,
-                                 return_lse=False):
+                                 return_lse=False, split_every=None):
     """:func:`fastattn.scaled_dot_product_attention` over dask arrays.
 
     ``query`` (..., Lq, d), ``key`` (..., Lk, d), ``value`` (..., Lk, dv) and
@@ -358,15 +368,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     arrays; the batch dims broadcast.  Returns a lazy dask array (..., Lq, dv)
     chunked like the queries (batch and query chunks), and its lse
     (..., Lq) when ``return_lse=True``.  Key chunks become partials merged by
-    :func:`fastattn.merge_attention` (a tree of fan-in ``SPLIT_EVERY``).
+    :func:`fastattn.merge_attention`: ``split_every=None`` (default) folds
+    them in key order, one merge per partial (the fewest partials alive at
+    once: the lowest worker memory measured); an int >= 2 builds a balanced
+    tree of that fan-in (a shorter path when there are many key chunks and
+    few query blocks).  The merge is associative: both agree to rounding.
     ``n_threads=None``: :func:`task_threads` decides on the worker.
     """
     return _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alignment,
-                            n_threads, None, None, return_lse)
+                            n_threads, None, None, return_lse, split_every)
 
 
 def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
-              is_causal=False, causal_alignment="top_left", n_threads=None, return_lse=False):
+              is_causal=False, causal_alignment="top_left", n_threads=None, return_lse=False,
+              split_every=None):
     """:func:`fastattn.attention` over dask arrays (as
     :func:`scaled_dot_product_attention`).  ``similarity`` is a registry name
     (or a registered similarity object, sent by its name) resolved on each
@@ -388,7 +403,7 @@ def attention(query, key, value, similarity="dot", *, params=None, attn_mask=Non
         raise TypeError(f"similarity: expected a registered name (str) or a registered "
                         f"Similarity, got {describe(similarity)}")
     return _attention_graph(query, key, value, attn_mask, is_causal, None, causal_alignment,
-                            n_threads, similarity, params, return_lse)
+                            n_threads, similarity, params, return_lse, split_every)
 
 
 # ---------------------------------------------------------------- layers

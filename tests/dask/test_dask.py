@@ -67,6 +67,26 @@ def test_sdpa_equals_the_single_machine_call(client, chunking, causal, dtype, rn
     close(got_lse, want_lse, dtype)
 
 
+@pytest.mark.parametrize("split_every", [None, 2, 3, 16])
+def test_reduction_shapes_agree(client, split_every, rng):
+    """A fold (default) or trees of any fan-in over 7 key chunks: the same
+    result to rounding (the merge is associative)."""
+    q, k, v = randn(rng, (2, 20, 8)), randn(rng, (2, 70, 8)), randn(rng, (2, 70, 4))
+    out, lse = fd.scaled_dot_product_attention(q, da.from_array(k, chunks=(2, 10, 8)),
+                                               da.from_array(v, chunks=(2, 10, 4)),
+                                               return_lse=True, split_every=split_every)
+    merges = [key for key in dict(out.__dask_graph__())
+              if isinstance(key, tuple) and ("merge" in key[0] or "chain" in key[0])]
+    # a fold: 6 merges of two; trees: ceil(7 / k) groups a level (a group of one passes through)
+    assert len(merges) == {None: 6, 2: 4 + 2 + 1, 3: 3 + 1, 16: 1}[split_every]
+    want, want_lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    got, got_lse = client.compute([out, lse], sync=True)
+    close(got, want, np.float64)
+    close(got_lse, want_lse, np.float64)
+    with pytest.raises(ValueError, match=r"split_every: expected an int >= 2 or None, got 1"):
+        fd.scaled_dot_product_attention(q, k, v, split_every=1)
+
+
 def test_causal_blocks_without_keys_are_left_out(client, rng):
     q, k, v = randn(rng, (1, 100, 8)), randn(rng, (1, 100, 8)), randn(rng, (1, 100, 4))
     dq, dk, dv = (da.from_array(x, chunks=(1, 25, x.shape[-1])) for x in (q, k, v))
