@@ -79,6 +79,9 @@ typedef struct {
     void (*bwd_store_f64)(double *y, const double *acc, int64_t n);
     void (*scale_f32)(float *x, int64_t n, float f);
     void (*scale_f64)(double *x, int64_t n, double f);
+    /* sum_j a[j] * b[j], the products and the sum in double */
+    double (*dot64_f32)(const float *a, const float *b, int64_t n);
+    double (*dot64_f64)(const double *a, const double *b, int64_t n);
 } fa_rowops;
 
 /* Rows per block of gemm_pb (the lim granularity). */

@@ -103,6 +103,8 @@ static inline void ops_mask_bool_f64(const fa_rowops *o, double *x, const unsign
 #define ops_bwd_store_f64(o, ...) (o)->bwd_store_f64(__VA_ARGS__)
 #define ops_scale_f32(o, ...) (o)->scale_f32(__VA_ARGS__)
 #define ops_scale_f64(o, ...) (o)->scale_f64(__VA_ARGS__)
+#define ops_dot64_f32(o, ...) (o)->dot64_f32(__VA_ARGS__)
+#define ops_dot64_f64(o, ...) (o)->dot64_f64(__VA_ARGS__)
 
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }

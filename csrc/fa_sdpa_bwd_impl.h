@@ -190,12 +190,8 @@ static void FN(bwd_delta_task)(void *ctx, int64_t t, int slot)
     const REAL *G = (const REAL *)a->grad_out + FN(batch_off)(f, a->g_bs, b) + i0 * a->ldg;
     const REAL *O = (const REAL *)f->out + FN(batch_off)(f, f->o_bs, b) + i0 * f->ldo;
     double *D = (double *)a->delta + b * f->Lq + i0;
-    for (int64_t r = 0; r < m; r++) {
-        double s = 0;
-        for (int64_t c = 0; c < f->dv; c++)
-            s += (double)G[r * a->ldg + c] * (double)O[r * f->ldo + c];
-        D[r] = s;
-    }
+    for (int64_t r = 0; r < m; r++)
+        D[r] = FN(ops_dot64)(j->ops, G + r * a->ldg, O + r * f->ldo, f->dv);
     for (int64_t g = 0; g < j->ngroups; g++) {
         int64_t ld;
         REAL *dQ = FN(bwd_dq_buf)(a, j, b, g, &ld) + i0 * ld;
@@ -204,7 +200,10 @@ static void FN(bwd_delta_task)(void *ctx, int64_t t, int slot)
     }
 }
 
-/* Pass 1: the key blocks of group g of batch item b. */
+static void FN(bwd_reduce_task)(void *ctx, int64_t t, int slot);
+
+/* Pass 1: the key blocks of group g of batch item b (with one group a batch
+ * item, also its passes 0 and 2: one pool run instead of three). */
 static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
 {
     FN(bjob) *j = (FN(bjob) *)ctx;
@@ -246,6 +245,9 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
     REAL *dM = a->dmask ? (REAL *)a->dmask + FN(batch_off)(f, a->dm_bs, b) : NULL;
     const unsigned char *mb = FN(bwd_bmask)(f, b);
     const REAL *bb = FN(bwd_amask)(f, b);
+    if (j->ngroups == 1)   /* this task is the batch item's only one: pass 0 here */
+        for (int64_t qb = 0; qb < j->nqb; qb++)
+            FN(bwd_delta_task)(ctx, b * j->nqb + qb, slot);
     for (int64_t jb = j->gstart[g]; jb < j->gstart[g + 1]; jb++) {
         const int64_t j0 = jb * bk;
         const int64_t n = f->Lk - j0 < bk ? f->Lk - j0 : bk;
@@ -340,6 +342,9 @@ static void FN(bwd_group_task)(void *ctx, int64_t t, int slot)
         FN(bwd_store)(j->ops, dKj, a->lddk, accK, n, f->d);
         FN(bwd_store)(j->ops, dVj, a->lddv, accV, n, f->dv);
     }
+    if (j->ngroups == 1)   /* and pass 2 (no partials: only the rows without a key) */
+        for (int64_t qb = 0; qb < j->nqb; qb++)
+            FN(bwd_reduce_task)(ctx, b * j->nqb + qb, slot);
 }
 
 /* Pass 2: dq rows of query block qb of batch item b += the partials, in group
@@ -437,10 +442,13 @@ int FN(fa_sdpa_bwd)(const fa_sdpa_bwd_args *a)
     fa_stop_fn stop = f->stop ? fa_stop_poll_fn : NULL;
     int nt = f->n_threads;
     fa_blas_set_threads_fn hook = fa_blas_threads_enter();
-    int stopped = fa_pool_run(nbatch * j.nqb, nt, FN(bwd_delta_task), &j, stop, &j.poll);
+    int stopped = 0;
+    const int fused = j.ngroups == 1 && f->Lk > 0;   /* passes 0 and 2 inside pass 1 */
+    if (!fused)
+        stopped = fa_pool_run(nbatch * j.nqb, nt, FN(bwd_delta_task), &j, stop, &j.poll);
     if (!stopped && f->Lk > 0)
         stopped = fa_pool_run(nbatch * j.ngroups, nt, FN(bwd_group_task), &j, stop, &j.poll);
-    if (!stopped && j.status == FA_OK)
+    if (!stopped && j.status == FA_OK && !fused)
         stopped = fa_pool_run(nbatch * j.nqb, nt, FN(bwd_reduce_task), &j, stop, &j.poll);
     fa_blas_threads_exit(hook);
     if (stopped || fa_stop_poll_stopped(&j.poll))

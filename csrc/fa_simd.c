@@ -172,6 +172,13 @@ SCALAR_PACKED(double, f64)
     {                                                                                      \
         for (int64_t j = 0; j < n; j++)                                                    \
             x[j] *= f;                                                                     \
+    }                                                                                      \
+    static double dot64_##SFX##_scalar(const T *a, const T *b, int64_t n)                  \
+    {                                                                                      \
+        double s = 0;                                                                      \
+        for (int64_t j = 0; j < n; j++)                                                    \
+            s += (double)a[j] * (double)b[j];                                              \
+        return s;                                                                          \
     }
 SCALAR_BWD(float, f32)
 SCALAR_BWD(double, f64)
@@ -191,6 +198,7 @@ static const fa_rowops scalar_ops = {
     bwd_acc_f32_scalar, bwd_acc_f64_scalar,
     bwd_store_f32_scalar, bwd_store_f64_scalar,
     scale_f32_scalar, scale_f64_scalar,
+    dot64_f32_scalar, dot64_f64_scalar,
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -644,6 +652,37 @@ AVX2 static void scale_f64_avx2(double *x, int64_t n, double f)
         x[j] *= f;
 }
 
+AVX2 static double dot64_f32_avx2(const float *a, const float *b, int64_t n)
+{
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 av = _mm256_loadu_ps(a + j), bv = _mm256_loadu_ps(b + j);
+        s0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(av)),
+                             _mm256_cvtps_pd(_mm256_castps256_ps128(bv)), s0);
+        s1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(av, 1)),
+                             _mm256_cvtps_pd(_mm256_extractf128_ps(bv, 1)), s1);
+    }
+    double s = hsum4(_mm256_add_pd(s0, s1));
+    for (; j < n; j++)
+        s += (double)a[j] * (double)b[j];
+    return s;
+}
+
+AVX2 static double dot64_f64_avx2(const double *a, const double *b, int64_t n)
+{
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        s0 = _mm256_fmadd_pd(_mm256_loadu_pd(a + j), _mm256_loadu_pd(b + j), s0);
+        s1 = _mm256_fmadd_pd(_mm256_loadu_pd(a + j + 4), _mm256_loadu_pd(b + j + 4), s1);
+    }
+    double s = hsum4(_mm256_add_pd(s0, s1));
+    for (; j < n; j++)
+        s += a[j] * b[j];
+    return s;
+}
+
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
     expsub_sum_f32_avx2, expsub_sum_f64_avx2,
@@ -659,6 +698,7 @@ static const fa_rowops avx2_ops = {
     bwd_acc_f32_avx2, bwd_acc_f64_avx2,
     bwd_store_f32_avx2, bwd_store_f64_avx2,
     scale_f32_avx2, scale_f64_avx2,
+    dot64_f32_avx2, dot64_f64_avx2,
 };
 
 /* The FMA throughput probe (fa_fma_probe): 12 independent chains, enough to
