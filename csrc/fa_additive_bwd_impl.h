@@ -304,27 +304,7 @@ static void FN(ab_reduce_task)(void *ctx, int64_t t, int slot)
  * fa_sdpa_bwd_impl.h's bwd_groups: query rows that see each block). */
 static void FN(ab_groups)(const fa_tiled_args *f, int64_t nkb, int64_t ngroups, int64_t *gstart)
 {
-    double total = 0;
-    for (int64_t jb = 0; jb < nkb; jb++) {
-        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
-        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
-        total += (double)(f->Lq - first) + 1.0;
-    }
-    gstart[0] = 0;
-    double acc = 0;
-    int64_t g = 1;
-    for (int64_t jb = 0; jb < nkb && g < ngroups; jb++) {
-        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
-        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
-        acc += (double)(f->Lq - first) + 1.0;
-        while (g < ngroups && acc >= total * (double)g / (double)ngroups
-               && nkb - (jb + 1) >= ngroups - g) {
-            gstart[g++] = jb + 1;
-        }
-    }
-    for (; g < ngroups; g++)
-        gstart[g] = gstart[g - 1] + 1 <= nkb ? gstart[g - 1] + 1 : nkb;
-    gstart[ngroups] = nkb;
+    fa_bwd_key_groups(f->causal, f->causal_offset, f->block_k, f->Lq, nkb, ngroups, gstart);
 }
 
 int FN(fa_additive_bwd)(fa_additive_bwd_args *a)

@@ -109,4 +109,37 @@ static inline int fa_tile_masked_out(const unsigned char *mb, int64_t ldm, int64
     return 1;
 }
 
+/* The backward kernels' key groups (fa_sdpa_bwd_impl.h, fa_additive_bwd_impl.h):
+ * split nkb key blocks of block_k keys into ngroups runs of about equal work
+ * (the query rows of Lq that see each block: fewer for late blocks under
+ * causality, where query i sees key j iff j <= i + causal_offset); group g is
+ * blocks [gstart[g], gstart[g+1]).  A function of the shapes only. */
+static inline void fa_bwd_key_groups(int causal, int64_t causal_offset, int64_t block_k,
+                                     int64_t Lq, int64_t nkb, int64_t ngroups, int64_t *gstart)
+{
+    double total = 0;
+    for (int64_t jb = 0; jb < nkb; jb++) {
+        int64_t first = causal ? jb * block_k - causal_offset : 0;
+        first = first < 0 ? 0 : first > Lq ? Lq : first;
+        total += (double)(Lq - first) + 1.0;
+    }
+    gstart[0] = 0;
+    double acc = 0;
+    int64_t g = 1;
+    for (int64_t jb = 0; jb < nkb && g < ngroups; jb++) {
+        int64_t first = causal ? jb * block_k - causal_offset : 0;
+        first = first < 0 ? 0 : first > Lq ? Lq : first;
+        acc += (double)(Lq - first) + 1.0;
+        /* close group g-1 after this block once it holds its share, leaving
+         * at least one block for each group still to come */
+        while (g < ngroups && acc >= total * (double)g / (double)ngroups
+               && nkb - (jb + 1) >= ngroups - g) {
+            gstart[g++] = jb + 1;
+        }
+    }
+    for (; g < ngroups; g++)   /* (only when there are fewer blocks than groups) */
+        gstart[g] = gstart[g - 1] + 1 <= nkb ? gstart[g - 1] + 1 : nkb;
+    gstart[ngroups] = nkb;
+}
+
 #endif

@@ -376,29 +376,7 @@ static void FN(bwd_reduce_task)(void *ctx, int64_t t, int slot)
  * that see each block: fewer for late blocks under causality). */
 static void FN(bwd_groups)(const fa_sdpa_args *f, int64_t nkb, int64_t ngroups, int64_t *gstart)
 {
-    double total = 0;
-    for (int64_t jb = 0; jb < nkb; jb++) {
-        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
-        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
-        total += (double)(f->Lq - first) + 1.0;
-    }
-    gstart[0] = 0;
-    double acc = 0;
-    int64_t g = 1;
-    for (int64_t jb = 0; jb < nkb && g < ngroups; jb++) {
-        int64_t first = f->causal ? jb * f->block_k - f->causal_offset : 0;
-        first = first < 0 ? 0 : first > f->Lq ? f->Lq : first;
-        acc += (double)(f->Lq - first) + 1.0;
-        /* close group g-1 after this block once it holds its share, leaving
-         * at least one block for each group still to come */
-        while (g < ngroups && acc >= total * (double)g / (double)ngroups
-               && nkb - (jb + 1) >= ngroups - g) {
-            gstart[g++] = jb + 1;
-        }
-    }
-    for (; g < ngroups; g++)   /* (only when there are fewer blocks than groups) */
-        gstart[g] = gstart[g - 1] + 1 <= nkb ? gstart[g - 1] + 1 : nkb;
-    gstart[ngroups] = nkb;
+    fa_bwd_key_groups(f->causal, f->causal_offset, f->block_k, f->Lq, nkb, ngroups, gstart);
 }
 
 int FN(fa_sdpa_bwd)(const fa_sdpa_bwd_args *a)
