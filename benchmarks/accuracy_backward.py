@@ -1,6 +1,6 @@
 """float32 accuracy of the SDPA backward against torch's, and the floor set by its inputs.
 
-    python benchmarks/accuracy_backward.py [--seeds 6]
+    python benchmarks/accuracy_backward.py [--seeds 6] [--additive]
 
 For 1 x 8 x L x 64 (L = 512 and 200, causal and not, a few seeds) the
 errors of three float32 backwards against the float64 oracle
@@ -16,7 +16,13 @@ the same inputs, as ratios (rms and max over each gradient):
   float32).
 
 The max of one element over ~260 000 is an extreme value: its ratio varies
-from case to case even where the rms ratio is steady.  Requires torch.
+from case to case even where the rms ratio is steady.
+
+``--additive``: the same comparison for additive attention (B=2, Lq=200,
+Lk=230, d=32, d_a=64, dv=16, causal and not), rms ratios against torch
+autograd (which keeps its float32 P, normalised from its own scores), for
+fastattn's fused backward and for a float64 backward from fastattn's float32
+``out`` and ``lse``.  Requires torch.
 """
 from __future__ import annotations
 
@@ -51,7 +57,11 @@ def _dense(g, q, k, v, o, lse, causal, f32_s_dp):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--additive", action="store_true", help="the additive attention comparison")
     args = ap.parse_args(argv)
+    if args.additive:
+        additive(max(1, args.seeds // 2 + 1))
+        return
     names = ("fastattn", "exact-from-f32", "f32-S-dP")
     stats = {n: [] for n in names}
     for seed in range(args.seeds):
@@ -88,6 +98,58 @@ def main(argv=None):
             r, m = a[:, i, 0], a[:, i, 1]
             print(f"{n:>15} {gname:>4} {r.min():8.2f} {r.max():8.2f} {m.min():8.2f} "
                   f"{m.max():8.2f} {int(np.sum(m > 1.25)):>10}")
+
+
+def additive(seeds):
+    from fastattn.functional import attention_backward
+
+    rows = {"fastattn": [], "exact-from-f32": []}
+    names = ["dq", "dk", "dv", "W_q", "W_k", "v", "b"]
+    for seed in range(seeds):
+        for causal in (False, True):
+            rng = np.random.default_rng(seed)
+            f = np.float32
+            B, L, S, d, da, dv = 2, 200, 230, 32, 64, 16
+            q, k = rng.standard_normal((B, L, d)).astype(f), rng.standard_normal((B, S, d)).astype(f)
+            v, g = rng.standard_normal((B, S, dv)).astype(f), rng.standard_normal((B, L, dv)).astype(f)
+            params = {"W_q": (rng.standard_normal((da, d)) / np.sqrt(d)).astype(f),
+                      "W_k": (rng.standard_normal((da, d)) / np.sqrt(d)).astype(f),
+                      "v": rng.standard_normal(da).astype(f),
+                      "b": (0.1 * rng.standard_normal(da)).astype(f)}
+            vjp_of = lambda a, b_: R.score_additive_vjp(a, b_, params["W_q"], params["W_k"],
+                                                        params["v"], params["b"])
+            ref = R.attention_backward(g, q, k, v, vjp_of, None, causal)
+            refs = list(ref[:3]) + [ref[3][n] for n in params]
+            out, lse = fastattn.attention(q, k, v, "additive", params=params, is_causal=causal,
+                                          return_lse=True)
+            got = attention_backward(g, q, k, v, "additive", params=params, out=out, lse=lse,
+                                     is_causal=causal)
+            ours = list(got[:3]) + [got[3][n] for n in params]
+            s, vjp = vjp_of(q, k)
+            s = np.asarray(s, np.float64)
+            if causal:
+                s = np.where(np.tril(np.ones((L, S), bool)), s, -np.inf)
+            P = np.exp(s - lse.astype(np.float64)[..., None])
+            g64, v64, o64 = (x.astype(np.float64) for x in (g, v, out))
+            ds = P * (g64 @ np.swapaxes(v64, -1, -2) - np.sum(g64 * o64, -1, keepdims=True))
+            edq, edk, edp = vjp(ds)
+            exact = [edq, edk, np.swapaxes(P, -1, -2) @ g64] + [edp[n] for n in params]
+            tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+            tp = {n: torch.tensor(x, requires_grad=True) for n, x in params.items()}
+            h = (tq @ tp["W_q"].T)[..., :, None, :] + (tk @ tp["W_k"].T)[..., None, :, :] + tp["b"]
+            sc = torch.tanh(h) @ tp["v"]
+            if causal:
+                sc = sc.masked_fill(~torch.tril(torch.ones(L, S, dtype=torch.bool)), -np.inf)
+            (torch.softmax(sc, -1) @ tv).backward(torch.tensor(g))
+            auto = [t.grad.numpy() for t in (tq, tk, tv)] + [tp[n].grad.numpy() for n in params]
+            rms = lambda a, r: float(np.sqrt(np.mean((np.asarray(a, np.float64) - r) ** 2)))
+            rows["fastattn"].append([rms(a, r) / rms(t, r) for a, t, r in zip(ours, auto, refs)])
+            rows["exact-from-f32"].append([rms(a, r) / rms(t, r) for a, t, r in zip(exact, auto, refs)])
+    print(f"additive: rms error / torch float32 autograd's, {2 * seeds} cases; min-max per gradient")
+    print(f"{'backward':>15} " + " ".join(f"{n:>10}" for n in names))
+    for n, r in rows.items():
+        a = np.array(r)
+        print(f"{n:>15} " + " ".join(f"{lo:4.2f}-{hi:4.2f}" for lo, hi in zip(a.min(0), a.max(0))))
 
 
 if __name__ == "__main__":
