@@ -115,6 +115,11 @@ cdef int64_t g_pack_max_elems = 4 * 1024 * 1024
 # whose results are compared.
 cdef int64_t g_mm_tile = 256
 DEF MM_MIN_TILE = 64
+# matmul: at least this many tiles when the tiles can be halved (two cores, one
+# of them now and then taken by another process), and with a chunked reduction
+# tiles of at most MM_KC_TILE elements
+DEF MM_MIN_TILES = 4
+DEF MM_KC_TILE = 32768
 # Below this many flops a call runs on the calling thread alone -- unless the
 # weights have PARALLEL_MIN_WEIGHTS elements or more: a few-row product reads
 # all of them once, from L3 or memory, and two cores read twice as fast (one
@@ -519,6 +524,42 @@ ctypedef struct mm_ctx:
     int ta, tb
     int tm, tn, ntn
     int64_t item
+    int kc                    # float32: the reduction in chunks of kc (0: one gemm)
+    float *tmp                # kc: per slot, tm * tn floats (a chunk's product)
+    double *acc               # kc: per slot, tm * tn doubles (the chunks' sum)
+
+
+cdef void _mm_chunked(mm_ctx *p, char *a, char *b, float *c, int m, int n, int slot) noexcept nogil:
+    """One float32 tile over the reduction in chunks of kc: each chunk one gemm
+    into this slot's float32 buffer, the chunks summed in float64 in order, the
+    sum rounded once into c.  The same bits whichever thread runs it."""
+    cdef char tra = b'T' if p.tb else b'N'
+    cdef char trb = b'T' if p.ta else b'N'
+    cdef float one_f = 1, zero_f = 0
+    cdef int64_t per = <int64_t>p.tm * p.tn
+    cdef float *tmp = p.tmp + slot * per
+    cdef double *acc = p.acc + slot * per
+    cdef int64_t i, mn = <int64_t>m * n, r, j
+    cdef int k0 = 0, kk, ldt = n
+    cdef float *ak
+    cdef float *bk
+    while k0 < p.R:
+        kk = p.kc if p.kc < p.R - k0 else p.R - k0
+        # the reduction index: rows of A (transposed) or its columns; columns of
+        # B (transposed) or its rows
+        ak = <float *>a + (<int64_t>k0 * p.lda if p.ta else <int64_t>k0)
+        bk = <float *>b + (<int64_t>k0 if p.tb else <int64_t>k0 * p.ldb)
+        sgemm(&tra, &trb, &n, &m, &kk, &one_f, bk, &p.ldb, ak, &p.lda, &zero_f, tmp, &ldt)
+        if k0 == 0:
+            for i in range(mn):
+                acc[i] = tmp[i]
+        else:
+            for i in range(mn):
+                acc[i] += tmp[i]
+        k0 += kk
+    for r in range(m):
+        for j in range(n):
+            c[r * p.ldc + j] = <float>acc[r * n + j]
 
 
 cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -545,7 +586,9 @@ cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *a = p.a + (<int64_t>r0 if p.ta else <int64_t>r0 * p.lda) * it
     cdef char *b = p.b + (<int64_t>c0 * p.ldb if p.tb else <int64_t>c0) * it
     cdef char *c = p.c + (<int64_t>r0 * p.ldc + c0) * it
-    if p.f32:
+    if p.f32 and p.kc > 0 and p.kc < p.R:
+        _mm_chunked(p, a, b, <float *>c, m, n, slot)
+    elif p.f32:
         sgemm(&tra, &trb, &n, &m, &p.R, &one_f, <float *>b, &p.ldb, <float *>a, &p.lda,
               &zero_f, <float *>c, &p.ldc)
     else:
@@ -553,9 +596,16 @@ cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
               &zero_d, <double *>c, &p.ldc)
 
 
-def matmul_tiles(int64_t M, int64_t N, int64_t R):
+def matmul_tiles(int64_t M, int64_t N, int64_t R, int64_t kc=0):
     """The tile size ``(tm, tn)`` :func:`matmul` cuts an (M, N) result with a
-    reduction of R into: a function of the shapes only."""
+    reduction of R into: a function of the shapes (and of ``kc``) only.
+
+    Tiles of mm_tile, halved while one exceeds MAX_BLOCK_FLOPS, then while the
+    result has fewer than MM_MIN_TILES tiles (a 768 x 256 result in three
+    256 x 256 tiles left one of two cores idle a third of the time); with a
+    chunked reduction (``kc`` > 0) halved to at most MM_KC_TILE elements, so a
+    tile's float32 and float64 sums stay in L2 with the gemm's packed chunks.
+    """
     cdef int64_t tm = M if M < g_mm_tile else g_mm_tile
     cdef int64_t tn = N if N < g_mm_tile else g_mm_tile
     if 2.0 * M * N * R < PARALLEL_MIN_FLOPS:
@@ -565,11 +615,22 @@ def matmul_tiles(int64_t M, int64_t N, int64_t R):
             tm = (tm + 1) // 2
         else:
             tn = (tn + 1) // 2
+    while (((M + tm - 1) // tm) * ((N + tn - 1) // tn) < MM_MIN_TILES
+           and (tm >= 2 * MM_MIN_TILE or tn >= 2 * MM_MIN_TILE)):
+        if tm >= tn:
+            tm = (tm + 1) // 2
+        else:
+            tn = (tn + 1) // 2
+    while kc > 0 and tm * tn > MM_KC_TILE and (tm >= 2 * MM_MIN_TILE or tn >= 2 * MM_MIN_TILE):
+        if tm >= tn:
+            tm = (tm + 1) // 2
+        else:
+            tn = (tn + 1) // 2
     return (max(tm, 1), max(tn, 1))
 
 
 def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray c,
-           int n_threads):
+           int n_threads, int kc=0):
     """``c = op(a) @ op(b)`` (op: ``.T`` when ``trans_*``), on up to ``n_threads`` threads,
     with the same bits for any thread count (tiles of :func:`matmul_tiles`).
 
@@ -580,6 +641,12 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     overlap a or b.  R = 0 sets c to zeros.  Returns the number of tiles (0 when
     nothing was multiplied).  From the main thread, KeyboardInterrupt stops the
     call between tiles and is raised here (``c`` is then partly written).
+
+    ``kc`` > 0 (float32 only; ignored for float64): each tile's reduction runs
+    in chunks of ``kc``, each one gemm, summed in float64 in order and rounded
+    once -- float32 rounding over runs of at most ``kc`` terms instead of the
+    whole reduction (a long sum such as a weight gradient over every step of a
+    sequence).
     """
     cdef mm_ctx p
     cdef int64_t M = cnp.PyArray_DIMS(c)[0]
@@ -596,8 +663,9 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     if R == 0:
         c[...] = 0
         return 0
-    tm, tn = matmul_tiles(M, N, R)
     p.f32 = cnp.PyArray_TYPE(c) == cnp.NPY_FLOAT32
+    p.kc = kc if (p.f32 and 0 < kc < R) else 0
+    tm, tn = matmul_tiles(M, N, R, p.kc)
     p.item = cnp.PyArray_ITEMSIZE(c)
     p.a = <char *>cnp.PyArray_DATA(a)
     p.b = <char *>cnp.PyArray_DATA(b)
@@ -613,6 +681,14 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     cdef int nt = n_threads if n_threads > 0 else 1
     if g_rt.pool_run == NULL:
         nt = 1
+    cdef cnp.ndarray tmp = None, acc = None
+    p.tmp = NULL
+    p.acc = NULL
+    if p.kc:  # one float32 and one float64 tile per slot (slots < nt)
+        tmp = cnp.PyArray_EMPTY(1, [nt * tm * tn], cnp.NPY_FLOAT32, 0)
+        acc = cnp.PyArray_EMPTY(1, [nt * tm * tn], cnp.NPY_FLOAT64, 0)
+        p.tmp = <float *>cnp.PyArray_DATA(tmp)
+        p.acc = <double *>cnp.PyArray_DATA(acc)
     cdef int64_t t
     cdef void *hook = NULL
     cdef interrupt_state intr
