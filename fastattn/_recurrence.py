@@ -231,7 +231,9 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     ``dc``) recurrence runs in C (csrc/fa_rnn_bwd.c, GIL released): per step
     the gate gradients elementwise (AVX2) and one ``(rows, G*H) x (G*H, H)``
     product for a block of batch rows, the blocks on fastattn's worker pool;
-    the weight gradient is then one GEMM over all steps.  Deterministic: the
+    the weight gradient is then one GEMM over all steps (float32: runs of
+    ``DW_CHUNK`` rows summed in float64, as accurate as torch's per-step
+    accumulation or better).  Deterministic: the
     row blocks and every summation order are fixed by the shapes, so any
     ``n_threads`` gives the same bits.
     """

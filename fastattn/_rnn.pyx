@@ -187,7 +187,10 @@ cdef double g_chunk_flops = 1e8
 # (min of 40 interleaved runs, the machine loaded by other processes).
 cdef int g_bwd_blocks = 4
 DEF BWD_MIN_ROWS = 16
-# dW_hh: each block's gemms of about DW_ROWS rows (dw_steps = DW_ROWS // rows steps)
+# dW_hh (when scan_backward is given dw): each block's gemms of about DW_ROWS
+# rows (dw_steps = DW_ROWS // rows steps).  fastattn._recurrence passes None
+# and computes dW_hh after the loop with one chunked product over all rows
+# (measured faster: no gemms of ~32 rows into a full (G*H, H) copy per block).
 DEF DW_ROWS = 32
 
 
