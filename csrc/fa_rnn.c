@@ -1,8 +1,9 @@
 /*
  * Recurrence kernel of the RNN layers (fa_rnn.h).
  *
- * Per step: gh = h W_hh^T + b_hh for the block's rows (the few-row AVX2
- * kernel of fa_proj.c for float32, reading W_hh in place, or one gemm), then
+ * Per step: gh = h W_hh^T + b_hh for the block's rows (float32: fa_proj.c's
+ * packed AVX2 kernel on W_hh packed once by the caller, or its few-row kernel
+ * reading W_hh in place; otherwise one gemm), then
  * the gates row by row.  The whole time loop runs here, so a step costs one
  * product and one pass over G*H numbers per row instead of a dozen NumPy
  * calls.  Gates use fastattn's own vectorised exp and tanh (fa_exp_avx2.h,
@@ -276,15 +277,20 @@ int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *G)
         return FA_RNN_EINVAL;
     const row_f32_fn row = pick_f32(a->cell, a->simd);
     const float *whh = (const float *)a->whh, *bhh = (const float *)a->bhh;
-    const int small = a->simd && (b1 - b0) <= a->small_m && fa_proj_small_available();
-    if (!small && !a->sgemm)
+    const int packed = a->wpack && a->simd && fa_proj_packed_available();
+    const int small = !packed && a->simd && (b1 - b0) <= a->small_m && fa_proj_small_available();
+    if (!packed && !small && !a->sgemm)
         return FA_RNN_EINVAL;
+    int status = 0;
     int gn = (int)((int64_t)fa_rnn_gates(a->cell) * a->H), gm = (int)(b1 - b0), gk = (int)a->H;
     int ldw = (int)a->ldw, ldh = (int)a->H, ldg = gn;
     float one = 1.0f;
     char tt = 'T', tn = 'N';
 #define PRODUCT_F32(m)                                                                        \
-    if (small) {                                                                              \
+    if (packed) {                                                                             \
+        if (fa_proj_packed_f32((m), GH, H, h, H, a->wpack, 0, bhh, G, GH))                    \
+            status = FA_RNN_EINVAL;                                                           \
+    } else if (small) {                                                                       \
         fa_proj_small_f32((m), GH, H, h, H, whh, a->ldw, bhh, G, GH);                        \
     } else {                                                                                  \
         FILL_BIAS(float, m)                                                                   \
@@ -292,7 +298,7 @@ int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *G)
     }
     RNN_LOOP(float, row, PRODUCT_F32)
 #undef PRODUCT_F32
-    return 0;
+    return status;
 }
 
 int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *G)

@@ -61,6 +61,9 @@ typedef struct {
     int64_t small_m;
     fa_sgemm_fn sgemm;
     fa_dgemm_fn dgemm;
+    /* float32 with simd: W_hh's packed form (fa_proj_pack_f32 of the (G*H, H)
+     * matrix), read by fa_proj_packed_f32 for every block's product; or NULL */
+    const float *wpack;
 } fa_rnn_args;
 
 /* One step of a cell for all B rows, computing both products: hidden units

@@ -181,10 +181,11 @@ def _operand(a, cdt):
     return canonical_matrix_stack(a, cdt), False
 
 
-def _matmul(a, b, cdt, n_threads):
+def _matmul(a, b, cdt, n_threads, kc=0):
     """``a (M, R) @ b (R, N)`` in ``cdt`` on :func:`fastattn._proj.matmul` (tiles
     fixed by the shapes: the same bits for any thread count); transposed views
-    are read in place.  For the other backward ops' products."""
+    are read in place.  For the other backward ops' products.  ``kc`` > 0
+    (float32): the reduction in chunks of kc summed in float64 (``_proj.matmul``)."""
     M, R = a.shape
     N = b.shape[1]
     if M == 0 or N == 0 or R == 0:
@@ -195,7 +196,7 @@ def _matmul(a, b, cdt, n_threads):
     aa, at = _operand(a, cdt)
     bb, bt = _operand(b, cdt)
     c = np.empty((M, N), cdt)
-    _proj.matmul(aa, at, bb, bt, c, n_threads)
+    _proj.matmul(aa, at, bb, bt, c, n_threads, kc)
     return c
 
 

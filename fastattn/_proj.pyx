@@ -51,7 +51,7 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 from fastattn._interrupt cimport (interrupt_arm, interrupt_raise, interrupt_state, stop_fn,
                                   thread_ident)
-from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release,
+from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release, task_fn,
                                 runtime_run, runtime_set, runtime_simd)
 
 cnp.import_array()
@@ -114,7 +114,18 @@ cdef int64_t g_pack_max_elems = 4 * 1024 * 1024
 # bits depend on it: change it only for tuning sweeps, never between calls
 # whose results are compared.
 cdef int64_t g_mm_tile = 256
+# matmul's split reduction (matmul_kpart); 0 turns it off (tuning sweeps)
+cdef int g_mm_ksplit = 1
 DEF MM_MIN_TILE = 64
+# matmul: at least this many tiles when the tiles can be halved (two cores, one
+# of them now and then taken by another process), and with a chunked reduction
+# tiles of at most MM_KC_TILE elements
+DEF MM_MIN_TILES = 4
+DEF MM_KC_TILE = 32768
+# matmul's split reduction (matmul_kpart): results of at most this many
+# elements, parts of at least MM_KPART_MIN rows
+DEF MM_KSPLIT_ELEMS = 262144
+DEF MM_KPART_MIN = 256
 # Below this many flops a call runs on the calling thread alone -- unless the
 # weights have PARALLEL_MIN_WEIGHTS elements or more: a few-row product reads
 # all of them once, from L3 or memory, and two cores read twice as fast (one
@@ -135,19 +146,23 @@ cdef int64_t g_packed_mc = FA_PROJ_PACKED_MC
 
 def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None,
                packed_m=None, packed_kc=None, packed_mc=None, pack_min_rows=None,
-               pack_max_elems=None, mm_tile=None):
+               pack_max_elems=None, mm_tile=None, mm_ksplit=None):
     """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict.
 
     ``packed_kc`` / ``packed_mc``: csrc/fa_proj.c's cache blocking of the
     packed kernel (0: no split); process-wide, set them only with no call running.
     ``mm_tile``: :func:`matmul`'s tile size (at least 64; its results' bits depend on it).
+    ``mm_ksplit``: False turns off :func:`matmul`'s split reduction (:func:`matmul_kpart`;
+    the bits depend on it too).
     """
     global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m, g_packed_m
-    global g_packed_kc, g_packed_mc, g_pack_min_rows, g_pack_max_elems, g_mm_tile
+    global g_packed_kc, g_packed_mc, g_pack_min_rows, g_pack_max_elems, g_mm_tile, g_mm_ksplit
     prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
                 min_block_cols=g_min_block_cols, small_m=g_small_m, packed_m=g_packed_m,
                 packed_kc=g_packed_kc, packed_mc=g_packed_mc, pack_min_rows=g_pack_min_rows,
-                pack_max_elems=g_pack_max_elems, mm_tile=g_mm_tile)
+                pack_max_elems=g_pack_max_elems, mm_tile=g_mm_tile, mm_ksplit=bool(g_mm_ksplit))
+    if mm_ksplit is not None:
+        g_mm_ksplit = 1 if mm_ksplit else 0
     if mm_tile is not None:
         g_mm_tile = max(MM_MIN_TILE, int(mm_tile))
     if pack_min_rows is not None:
@@ -519,6 +534,118 @@ ctypedef struct mm_ctx:
     int ta, tb
     int tm, tn, ntn
     int64_t item
+    int kc                    # float32: the reduction in chunks of kc (0: one gemm)
+    float *tmp                # kc: per slot, tm * tn floats (a chunk's product)
+    double *acc               # kc: per slot, tm * tn doubles (the chunks' sum)
+    int kpart                 # split reduction: task t is rows [t * kpart, ...) of it, the
+    char *part                # whole (M, N) result into part + t * M * N (0 / NULL: no split)
+
+
+cdef void _mm_chunked(mm_ctx *p, char *a, char *b, float *c, int m, int n, int slot) noexcept nogil:
+    """One float32 tile over the reduction in chunks of kc: each chunk one gemm
+    into this slot's float32 buffer, the chunks summed in float64 in order, the
+    sum rounded once into c.  The same bits whichever thread runs it."""
+    cdef char tra = b'T' if p.tb else b'N'
+    cdef char trb = b'T' if p.ta else b'N'
+    cdef float one_f = 1, zero_f = 0
+    cdef int64_t per = <int64_t>p.tm * p.tn
+    cdef float *tmp = p.tmp + slot * per
+    cdef double *acc = p.acc + slot * per
+    cdef int64_t i, mn = <int64_t>m * n, r, j
+    cdef int k0 = 0, kk, ldt = n
+    cdef float *ak
+    cdef float *bk
+    while k0 < p.R:
+        kk = p.kc if p.kc < p.R - k0 else p.R - k0
+        # the reduction index: rows of A (transposed) or its columns; columns of
+        # B (transposed) or its rows
+        ak = <float *>a + (<int64_t>k0 * p.lda if p.ta else <int64_t>k0)
+        bk = <float *>b + (<int64_t>k0 if p.tb else <int64_t>k0 * p.ldb)
+        sgemm(&tra, &trb, &n, &m, &kk, &one_f, bk, &p.ldb, ak, &p.lda, &zero_f, tmp, &ldt)
+        if k0 == 0:
+            for i in range(mn):
+                acc[i] = tmp[i]
+        else:
+            for i in range(mn):
+                acc[i] += tmp[i]
+        k0 += kk
+    for r in range(m):
+        for j in range(n):
+            c[r * p.ldc + j] = <float>acc[r * n + j]
+
+
+cdef void _mm_part_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    """Split reduction: part t of the reduction over the whole result."""
+    cdef mm_ctx *p = <mm_ctx *>vctx
+    cdef int k0 = <int>t * p.kpart
+    cdef int kk = p.R - k0
+    cdef char tra = b'T' if p.tb else b'N'
+    cdef char trb = b'T' if p.ta else b'N'
+    cdef float one_f = 1, zero_f = 0
+    cdef double one_d = 1, zero_d = 0
+    cdef int ldt = p.N
+    if kk > p.kpart:
+        kk = p.kpart
+    if kk <= 0:
+        return
+    cdef int64_t it = p.item
+    cdef char *a = p.a + (<int64_t>k0 * p.lda if p.ta else <int64_t>k0) * it
+    cdef char *b = p.b + (<int64_t>k0 if p.tb else <int64_t>k0 * p.ldb) * it
+    cdef char *c = p.part + t * p.M * p.N * it
+    if p.f32:
+        sgemm(&tra, &trb, &p.N, &p.M, &kk, &one_f, <float *>b, &p.ldb, <float *>a, &p.lda,
+              &zero_f, <float *>c, &ldt)
+    else:
+        dgemm(&tra, &trb, &p.N, &p.M, &kk, &one_d, <double *>b, &p.ldb, <double *>a, &p.lda,
+              &zero_d, <double *>c, &ldt)
+
+
+cdef void _mm_sum_parts(mm_ctx *p, int64_t nparts) noexcept nogil:
+    """c = the parts' sum, added in part order (the same bits for any thread count)."""
+    cdef int64_t r, j, q, mn = <int64_t>p.M * p.N
+    cdef float *cf
+    cdef const float *pf
+    cdef double *cd
+    cdef const double *pd
+    for r in range(p.M):
+        if p.f32:
+            cf = <float *>p.c + r * p.ldc
+            pf = <const float *>p.part + r * p.N
+            for j in range(p.N):
+                cf[j] = pf[j]
+            for q in range(1, nparts):
+                for j in range(p.N):
+                    cf[j] += pf[q * mn + j]
+        else:
+            cd = <double *>p.c + r * p.ldc
+            pd = <const double *>p.part + r * p.N
+            for j in range(p.N):
+                cd[j] = pd[j]
+            for q in range(1, nparts):
+                for j in range(p.N):
+                    cd[j] += pd[q * mn + j]
+
+
+def matmul_kpart(int64_t M, int64_t N, int64_t R, int64_t kc=0):
+    """The reduction's part size for :func:`matmul` (0: not split), a function of
+    the shapes only.  A long reduction into a small result (R >= 2 max(M, N),
+    M N <= MM_KSPLIT_ELEMS, no ``kc``) is cut into parts of at least 256 rows
+    -- MM_MIN_TILES of them, or more to keep each under MAX_BLOCK_FLOPS -- each
+    part one gemm over the whole result, the parts then summed in order: a
+    768 x 256 result over 2048 rows as tiles packed its 2048-row operand once
+    per tile, ~25% slower than one gemm on one thread."""
+    cdef int64_t nk, kp
+    if (not g_mm_ksplit or kc > 0 or 2.0 * M * N * R < PARALLEL_MIN_FLOPS or M * N > MM_KSPLIT_ELEMS
+            or R < 2 * (M if M > N else N) or R < 2 * MM_KPART_MIN):
+        return 0
+    nk = MM_MIN_TILES
+    while 2.0 * M * N * ((R + nk - 1) // nk) > MAX_BLOCK_FLOPS:
+        nk *= 2
+    kp = (R + nk - 1) // nk
+    if kp < MM_KPART_MIN:
+        kp = MM_KPART_MIN
+    kp = (kp + 63) // 64 * 64
+    return kp if kp < R else 0
 
 
 cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -545,7 +672,9 @@ cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *a = p.a + (<int64_t>r0 if p.ta else <int64_t>r0 * p.lda) * it
     cdef char *b = p.b + (<int64_t>c0 * p.ldb if p.tb else <int64_t>c0) * it
     cdef char *c = p.c + (<int64_t>r0 * p.ldc + c0) * it
-    if p.f32:
+    if p.f32 and p.kc > 0 and p.kc < p.R:
+        _mm_chunked(p, a, b, <float *>c, m, n, slot)
+    elif p.f32:
         sgemm(&tra, &trb, &n, &m, &p.R, &one_f, <float *>b, &p.ldb, <float *>a, &p.lda,
               &zero_f, <float *>c, &p.ldc)
     else:
@@ -553,9 +682,16 @@ cdef void _mm_task(void *vctx, int64_t t, int slot) noexcept nogil:
               &zero_d, <double *>c, &p.ldc)
 
 
-def matmul_tiles(int64_t M, int64_t N, int64_t R):
+def matmul_tiles(int64_t M, int64_t N, int64_t R, int64_t kc=0):
     """The tile size ``(tm, tn)`` :func:`matmul` cuts an (M, N) result with a
-    reduction of R into: a function of the shapes only."""
+    reduction of R into: a function of the shapes (and of ``kc``) only.
+
+    Tiles of mm_tile, halved while one exceeds MAX_BLOCK_FLOPS, then while the
+    result has fewer than MM_MIN_TILES tiles (a 768 x 256 result in three
+    256 x 256 tiles left one of two cores idle a third of the time); with a
+    chunked reduction (``kc`` > 0) halved to at most MM_KC_TILE elements, so a
+    tile's float32 and float64 sums stay in L2 with the gemm's packed chunks.
+    """
     cdef int64_t tm = M if M < g_mm_tile else g_mm_tile
     cdef int64_t tn = N if N < g_mm_tile else g_mm_tile
     if 2.0 * M * N * R < PARALLEL_MIN_FLOPS:
@@ -565,11 +701,22 @@ def matmul_tiles(int64_t M, int64_t N, int64_t R):
             tm = (tm + 1) // 2
         else:
             tn = (tn + 1) // 2
+    while (((M + tm - 1) // tm) * ((N + tn - 1) // tn) < MM_MIN_TILES
+           and (tm >= 2 * MM_MIN_TILE or tn >= 2 * MM_MIN_TILE)):
+        if tm >= tn:
+            tm = (tm + 1) // 2
+        else:
+            tn = (tn + 1) // 2
+    while kc > 0 and tm * tn > MM_KC_TILE and (tm >= 2 * MM_MIN_TILE or tn >= 2 * MM_MIN_TILE):
+        if tm >= tn:
+            tm = (tm + 1) // 2
+        else:
+            tn = (tn + 1) // 2
     return (max(tm, 1), max(tn, 1))
 
 
 def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray c,
-           int n_threads):
+           int n_threads, int kc=0):
     """``c = op(a) @ op(b)`` (op: ``.T`` when ``trans_*``), on up to ``n_threads`` threads,
     with the same bits for any thread count (tiles of :func:`matmul_tiles`).
 
@@ -580,6 +727,12 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     overlap a or b.  R = 0 sets c to zeros.  Returns the number of tiles (0 when
     nothing was multiplied).  From the main thread, KeyboardInterrupt stops the
     call between tiles and is raised here (``c`` is then partly written).
+
+    ``kc`` > 0 (float32 only; ignored for float64): each tile's reduction runs
+    in chunks of ``kc``, each one gemm, summed in float64 in order and rounded
+    once -- float32 rounding over runs of at most ``kc`` terms instead of the
+    whole reduction (a long sum such as a weight gradient over every step of a
+    sequence).
     """
     cdef mm_ctx p
     cdef int64_t M = cnp.PyArray_DIMS(c)[0]
@@ -596,8 +749,9 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     if R == 0:
         c[...] = 0
         return 0
-    tm, tn = matmul_tiles(M, N, R)
     p.f32 = cnp.PyArray_TYPE(c) == cnp.NPY_FLOAT32
+    p.kc = kc if (p.f32 and 0 < kc < R) else 0
+    tm, tn = matmul_tiles(M, N, R, p.kc)
     p.item = cnp.PyArray_ITEMSIZE(c)
     p.a = <char *>cnp.PyArray_DATA(a)
     p.b = <char *>cnp.PyArray_DATA(b)
@@ -613,6 +767,22 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     cdef int nt = n_threads if n_threads > 0 else 1
     if g_rt.pool_run == NULL:
         nt = 1
+    cdef cnp.ndarray tmp = None, acc = None, part = None
+    p.tmp = NULL
+    p.acc = NULL
+    p.kpart = <int>matmul_kpart(M, N, R, p.kc)
+    p.part = NULL
+    cdef task_fn task = _mm_task
+    if p.kpart:
+        ntasks = (R + p.kpart - 1) // p.kpart
+        part = cnp.PyArray_EMPTY(1, [ntasks * M * N], cnp.PyArray_TYPE(c), 0)
+        p.part = <char *>cnp.PyArray_DATA(part)
+        task = _mm_part_task
+    if p.kc:  # one float32 and one float64 tile per slot (slots < nt)
+        tmp = cnp.PyArray_EMPTY(1, [nt * tm * tn], cnp.NPY_FLOAT32, 0)
+        acc = cnp.PyArray_EMPTY(1, [nt * tm * tn], cnp.NPY_FLOAT64, 0)
+        p.tmp = <float *>cnp.PyArray_DATA(tmp)
+        p.acc = <double *>cnp.PyArray_DATA(acc)
     cdef int64_t t
     cdef void *hook = NULL
     cdef interrupt_state intr
@@ -620,10 +790,12 @@ def matmul(cnp.ndarray a, bint trans_a, cnp.ndarray b, bint trans_b, cnp.ndarray
     with nogil:
         hook = runtime_hold(&g_rt)
         if (nt > 1 or stop != NULL) and ntasks > 1:
-            runtime_run(&g_rt, ntasks, nt, _mm_task, &p, stop, &intr)
+            runtime_run(&g_rt, ntasks, nt, task, &p, stop, &intr)
         else:
             for t in range(ntasks):
-                _mm_task(&p, t, 0)
+                task(&p, t, 0)
         runtime_release(&g_rt, hook)
+        if p.kpart:
+            _mm_sum_parts(&p, ntasks)
     interrupt_raise(&intr)
     return ntasks

@@ -59,6 +59,7 @@ cdef extern from "fa_rnn.h" nogil:
         int64_t small_m
         fa_sgemm_fn sgemm
         fa_dgemm_fn dgemm
+        const float *wpack
     ctypedef struct fa_cell_args:
         int cell
         int simd
@@ -128,6 +129,8 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_small_available()
     int fa_proj_packed_available()
     int64_t fa_proj_packed_size(int64_t n, int64_t k)
+    void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                                 const float *w, int64_t ldw, float *wp, int simd)
     void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
                                    const float *bt, int64_t ldb, float *wp)
 
@@ -160,6 +163,9 @@ cdef int g_small_m = 128
 # instead (fa_rnn_split_*), when the units make blocks of at least
 # SPLIT_MIN_UNITS and a step is worth SPLIT_MIN_FLOPS.
 cdef int g_split = 1
+# float32 row blocks (AVX2): W_hh packed once per scan for fa_proj.c's packed
+# kernel rather than read in place by its few-row kernel at every step
+cdef int g_packed = 1
 cdef int g_split_min_units = 32
 DEF SPLIT_MIN_FLOPS = 100000.0
 # Below this many flops per step and row block a call stays on the calling thread.
@@ -171,12 +177,20 @@ DEF CELL_PARALLEL_MIN_FLOPS = 400000.0
 # Main-thread scans: steps per chunk such that a chunk is about this many
 # flops of h W_hh^T (~5-10 ms), at least one step.
 cdef double g_chunk_flops = 1e8
-# Backward (scan_backward): the rows in at most BWD_BLOCKS blocks of at least
-# min_block_rows, fixed by the sizes alone (never by the thread count, so
-# every thread count gives the same bits); below PARALLEL_MIN_FLOPS per step
-# and block, one block.
+# Backward (scan_backward): the rows in at most bwd_blocks blocks of at least
+# BWD_MIN_ROWS rows (two blocks of min_block_rows or more when B is smaller),
+# fixed by the sizes alone (never by the thread count, so every thread count
+# gives the same bits); below
+# PARALLEL_MIN_FLOPS per step and block, one block.  Each block's product reads
+# all of W_hh^T at every step: GRU B=32 H=256 T=64 float32 on 2 threads, 4
+# blocks of 8 rows took 35.5 ms of CPU time against 31.2 for 2 blocks of 16
+# (min of 40 interleaved runs, the machine loaded by other processes).
 cdef int g_bwd_blocks = 4
-# dW_hh: each block's gemms of about DW_ROWS rows (dw_steps = DW_ROWS // rows steps)
+DEF BWD_MIN_ROWS = 16
+# dW_hh (when scan_backward is given dw): each block's gemms of about DW_ROWS
+# rows (dw_steps = DW_ROWS // rows steps).  fastattn._recurrence passes None
+# and computes dW_hh after the loop with one chunked product over all rows
+# (measured faster: no gemms of ~32 rows into a full (G*H, H) copy per block).
 DEF DW_ROWS = 32
 
 
@@ -196,12 +210,15 @@ def simd_active():
 
 
 def set_tuning(min_block_rows=None, blocks_per_thread=None, small_m=None, split=None,
-               chunk_flops=None, bwd_blocks=None):
+               chunk_flops=None, bwd_blocks=None, packed=None):
     """Change the blocking parameters (for tuning sweeps and tests); returns the previous ones."""
     global g_min_block_rows, g_blocks_per_thread, g_small_m, g_split, g_chunk_flops, g_bwd_blocks
+    global g_packed
     prev = dict(min_block_rows=g_min_block_rows, blocks_per_thread=g_blocks_per_thread,
                 small_m=g_small_m, split=bool(g_split), chunk_flops=g_chunk_flops,
-                bwd_blocks=g_bwd_blocks)
+                bwd_blocks=g_bwd_blocks, packed=bool(g_packed))
+    if packed is not None:
+        g_packed = 1 if packed else 0
     if bwd_blocks is not None:
         g_bwd_blocks = max(1, int(bwd_blocks))
     if chunk_flops is not None:
@@ -359,8 +376,10 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     s.a.small_m = g_small_m
     s.a.sgemm = <fa_sgemm_fn>sgemm
     s.a.dgemm = <fa_dgemm_fn>dgemm
+    s.a.wpack = NULL
     s.gh = <int64_t>G * H
     s.status = 0
+    cdef cnp.ndarray wpack = None
     cdef cnp.ndarray claimed, done, hbuf
     # main thread: the steps in chunks, the stop callback asked between them
     cdef interrupt_state intr
@@ -418,9 +437,16 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
             s.rows = (s.rows + 3) // 4 * 4   # the few-row kernel takes rows 4 at a time
         nblocks = (B + s.rows - 1) // s.rows
         scratch = cnp.PyArray_EMPTY(1, [B * s.gh], cnp.PyArray_TYPE(xw), 0)
+        if g_packed and s.f32 and s.a.simd and fa_proj_packed_available():
+            # W_hh packed once for the packed AVX2 kernel (every block, every step)
+            wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(s.gh, H)], cnp.NPY_FLOAT32, 0)
+            s.a.wpack = <const float *>cnp.PyArray_DATA(wpack)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     with nogil:
         hook = runtime_hold(&g_rt)
+        if s.a.wpack != NULL:
+            fa_proj_pack_panels_f32(0, (s.gh + 15) // 16, s.gh, H, <const float *>s.a.whh,
+                                    s.a.ldw, <float *>s.a.wpack, 1)
         # chunk k: steps [t0, t0 + tc); split: every chunk starts from hbuf[1]
         # and has fresh claimed / done entries (those of its own steps)
         k = 0
@@ -580,9 +606,13 @@ def backward_blocks(int64_t B, int64_t H, int G):
     if B < 2 or 2.0 * B * G * H * H < PARALLEL_MIN_FLOPS * 2:
         nblocks = 1
     else:
-        nblocks = g_bwd_blocks
-        if nblocks * g_min_block_rows > B:
-            nblocks = B // g_min_block_rows
+        # blocks of BWD_MIN_ROWS rows or more, but two blocks (of min_block_rows
+        # or more) rather than one
+        nblocks = B // BWD_MIN_ROWS
+        if nblocks < 2:
+            nblocks = 2 if B >= 2 * g_min_block_rows else 1
+        if nblocks > g_bwd_blocks:
+            nblocks = g_bwd_blocks
         if nblocks < 1:
             nblocks = 1
     rows = (B + nblocks - 1) // nblocks
