@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 import fastattn
 from fastattn import _kernels
 
-from support import SIMD_CAPABLE, TEST_FOLDERS, _restore_simd
+from support import SIMD_CAPABLE, TESTS_DIR, TEST_FOLDERS, _restore_simd
 
 
 # --------------------------------------------------------------------------
@@ -98,3 +98,11 @@ def _global_state_guard():
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240611)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """tests/dask last: its session-wide Dask client (tests/dask/conftest.py)
+    keeps an event loop thread that allocates and frees on its own schedule,
+    which the whole-process tracemalloc checks of other folders would count."""
+    dask_dir = os.path.join(TESTS_DIR, "dask") + os.sep
+    items.sort(key=lambda item: str(item.path).startswith(dask_dir))
