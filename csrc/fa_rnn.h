@@ -168,20 +168,13 @@ typedef struct {
     double *db;                   /* or NULL: (B, G*H) -- row block [b0, b1) adds the sums of its
                                      rows of dgh over its steps into row b0 (zeroed by the caller),
                                      in float64; dL/db_hh is the sum of the blocks' rows */
-    void *dw;                     /* or NULL: (nblocks, G*H, H) C-contiguous zeros; row block i
-                                     (b0 = i * dw_rows) adds its rows' dgh^T hprev into dw[i]:
-                                     products of dw_steps steps of its real rows (beta = 1 gemms,
-                                     in step order), the accumulation a per-step autograd makes;
-                                     dL/dW_hh is the sum of the blocks' */
-    int64_t dw_rows, dw_steps;
-    fa_sgemm_fn sgemm;            /* the products without wpack, and dw's; one thread (the
-                                     caller's hold) */
+    fa_sgemm_fn sgemm;            /* the products without wpack; one thread (the caller's
+                                     hold) */
     fa_dgemm_fn dgemm;
 } fa_rnn_bwd_args;
 
-/* Scratch elements a block of `rows` rows needs (kept between chunks), with
- * dw accumulated dw_steps steps at a time (0: no dw). */
-int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps);
+/* Scratch elements a block of `rows` rows needs (kept between chunks). */
+int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H);
 /* LSTM only, once before the steps: the cell state after every step of rows
  * [b0, b1) into the block's scratch.  Other cells: no-op. */
 int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch);

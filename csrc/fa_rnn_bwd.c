@@ -22,10 +22,9 @@
  * No -ffast-math (and ISO C: no contraction into FMAs), NaN propagates.
  *
  * dL/db_hh: each block sums its rows of dgh in float64 (in its fixed order).
- * dL/dW_hh: each block accumulates dgh^T hprev over its real rows, a gemm of
- * beta = 1 every dw_steps steps (about 32 rows) -- short float32 runs, as a
- * per-step autograd sums them; one gemm over all B*T rows would add each
- * element in runs of thousands (measured: 1.5x torch's float32 rms error).
+ * dL/dW_hh is not formed here: fastattn._recurrence computes it after the
+ * loop, one product over all B*T rows of dgh and hprev (float32 runs of
+ * DW_CHUNK rows summed in float64).
  *
  * Scratch of a block of m rows: P (m x H, the product), a zero row (G*H: no
  * bias, no output gradient, no c0), X (m x G*H: the gemm's rows when their
@@ -49,11 +48,10 @@
 #define FA_RNN_AVX2 0
 #endif
 
-int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps)
+int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H)
 {
     const int64_t GH = (int64_t)fa_rnn_gates(cell) * H;
-    return rows * H + GH + rows * GH + (cell == FA_RNN_LSTM ? rows * T * H : 0) +
-           rows * dw_steps * (GH + H);
+    return rows * H + GH + rows * GH + (cell == FA_RNN_LSTM ? rows * T * H : 0);
 }
 
 /* One row of one step from column j on.  xi: the xw row; gh, bh: the hidden
@@ -337,8 +335,6 @@ static int check_bwd(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1)
 #define BWD_SCRATCH(TY)                                                                       \
     const int64_t G = fa_rnn_gates(a->cell), H = a->H, GH = G * H, T = a->T, m = b1 - b0;    \
     TY *P = scratch, *zero = scratch + m * H, *X = zero + GH, *cs = X + m * GH;               \
-    TY *DA = cs + (a->cell == FA_RNN_LSTM ? m * T * H : 0), *DB = DA + m * a->dw_steps * GH;  \
-    (void)DA; (void)DB;                                                                       \
     memset(zero, 0, (size_t)GH * sizeof(TY));                                                 \
     const TY *xw = (const TY *)a->xw, *gh = (const TY *)a->gh;                                \
     const TY *bias = a->bhh ? (const TY *)a->bhh : zero;                                      \
@@ -390,22 +386,14 @@ int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, doub
     return 0;
 }
 
-/* PRODUCT(x, ldx): P (m x H) = x (m x G*H, row stride ldx) W_hh;
- * DW_PRODUCT(k): dw += DA (k x G*H)^T DB (k x H) */
-#define BWD_BODY(TY, ROW, PRODUCT, DW_PRODUCT)                                                            \
+/* PRODUCT(x, ldx): P (m x H) = x (m x G*H, row stride ldx) W_hh */
+#define BWD_BODY(TY, ROW, PRODUCT)                                                            \
     BWD_SCRATCH(TY)                                                                           \
     const TY *hprev = (const TY *)a->hprev, *go = (const TY *)a->go;                          \
     TY *dxw = (TY *)a->dxw, *dgh = a->dgh ? (TY *)a->dgh : (TY *)a->dxw;                      \
     TY *dh = (TY *)a->dh + b0 * H, *dc = a->dc ? (TY *)a->dc + b0 * H : NULL;                 \
     const int gemm_rows_fit = fa_blas_fits(T * GH);                                           \
     double *db = a->db ? a->db + b0 * GH : NULL;                                              \
-    TY *dw = a->dw ? (TY *)a->dw + (b0 / a->dw_rows) * GH * H : NULL;                         \
-    const int64_t S = a->dw_steps;                                                            \
-    int64_t fill = 0; /* real rows of this group of steps already in DA / DB */               \
-    if (dw)                                                                                   \
-        for (int64_t s = s0 / S * S; s < s0; s++)                                             \
-            for (int64_t r = 0; r < m; r++)                                                   \
-                fill += !(len && (a->reverse ? s : T - 1 - s) >= len[b0 + r]);                \
     for (int64_t s = s0; s < s1; s++) {                                                       \
         const int64_t t = a->reverse ? s : T - 1 - s;                                         \
         int64_t live = 0;                                                                     \
@@ -432,16 +420,6 @@ int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, doub
             if (db)                                                                           \
                 for (int64_t g = 0; g < GH; g++)                                              \
                     db[g] += (double)dg[g];                                                   \
-            if (dw) {                                                                         \
-                memcpy(DA + fill * GH, dg, (size_t)GH * sizeof(TY));                          \
-                memcpy(DB + fill * H, hprev ? hprev + (b * T + t) * H : zero,                 \
-                       (size_t)H * sizeof(TY));                                               \
-                fill++;                                                                       \
-            }                                                                                 \
-        }                                                                                     \
-        if (dw && fill && ((s + 1) % S == 0 || s == T - 1)) {                                 \
-            DW_PRODUCT(fill)                                                                  \
-            fill = 0;                                                                         \
         }                                                                                     \
         if (!live)                                                                            \
             continue;                                                                         \
@@ -471,8 +449,6 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         return FA_RNN_EINVAL;
     if (a->wpack ? !(a->simd && fa_proj_packed_available()) : !a->sgemm)
         return FA_RNN_EINVAL;
-    if (a->dw && (!a->sgemm || a->dw_rows < 1 || a->dw_steps < 1 || b0 % a->dw_rows))
-        return FA_RNN_EINVAL;
     const bwd_row_f32_fn row = pick_bwd_f32(a->cell, a->simd);
     int status = 0;
     int gn = (int)a->H, gm = (int)(b1 - b0), gk = (int)((int64_t)fa_rnn_gates(a->cell) * a->H);
@@ -488,15 +464,8 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         a->sgemm(&tn, &tn, &gn, &gm, &gk, &one, (float *)a->whh, &ldw, (float *)(x), &ld_,    \
                  &zf, P, &ldp);                                                               \
     }
-#define DW_PRODUCT_F32(k)                                                                     \
-    {                                                                                         \
-        int kk = (int)(k), lda_ = (int)H, ldb_ = (int)GH;                                     \
-        char tt = 'T';                                                                        \
-        a->sgemm(&tn, &tt, &gn, &gk, &kk, &one, DB, &lda_, DA, &ldb_, &one, dw, &lda_);       \
-    }
-    BWD_BODY(float, row, PRODUCT_F32, DW_PRODUCT_F32)
+    BWD_BODY(float, row, PRODUCT_F32)
 #undef PRODUCT_F32
-#undef DW_PRODUCT_F32
     return status;
 }
 
@@ -504,7 +473,7 @@ int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
                    double *scratch)
 {
     if (check_bwd(a, b0, b1) || !scratch || s0 < 0 || s1 > a->T || s0 > s1 || !a->dgemm ||
-        a->wpack || (a->dw && (a->dw_rows < 1 || a->dw_steps < 1 || b0 % a->dw_rows)))
+        a->wpack)
         return FA_RNN_EINVAL;
     const bwd_row_f64_fn row = pick_bwd_f64(a->cell, a->simd);
     int gn = (int)a->H, gm = (int)(b1 - b0), gk = (int)((int64_t)fa_rnn_gates(a->cell) * a->H);
@@ -517,14 +486,7 @@ int fa_rnn_bwd_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
         a->dgemm(&tn, &tn, &gn, &gm, &gk, &one, (double *)a->whh, &ldw, (double *)(x), &ld_,  \
                  &zd, P, &ldp);                                                               \
     }
-#define DW_PRODUCT_F64(k)                                                                     \
-    {                                                                                         \
-        int kk = (int)(k), lda_ = (int)H, ldb_ = (int)GH;                                     \
-        char tt = 'T';                                                                        \
-        a->dgemm(&tn, &tt, &gn, &gk, &kk, &one, DB, &lda_, DA, &ldb_, &one, dw, &lda_);       \
-    }
-    BWD_BODY(double, row, PRODUCT_F64, DW_PRODUCT_F64)
+    BWD_BODY(double, row, PRODUCT_F64)
 #undef PRODUCT_F64
-#undef DW_PRODUCT_F64
     return 0;
 }

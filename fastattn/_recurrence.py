@@ -286,7 +286,7 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     dbb = None if bh is None else np.zeros((B, GH), np.float64)
     _ensure_runtime()
     _rnn.scan_backward(_rnn.CELLS[cell], xwd, gh, bgh, hprev, c0c, go, W, a.lens, bool(reverse),
-                       dxw, dgh, dh, dc, dbb, None, a.nt)
+                       dxw, dgh, dh, dc, dbb, a.nt)
     db = None if dbb is None else dbb.sum(axis=0).astype(ct)
     # dL/dW_hh = sum over every row and step of dgh^T h_prev: one product over
     # all B*T rows after the loop, float32 in chunks of DW_CHUNK rows summed in

@@ -113,11 +113,9 @@ cdef extern from "fa_rnn.h" nogil:
         void *dh
         void *dc
         double *db
-        void *dw
-        int64_t dw_rows, dw_steps
         fa_sgemm_fn sgemm
         fa_dgemm_fn dgemm
-    int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H, int64_t dw_steps)
+    int64_t fa_rnn_bwd_scratch(int cell, int64_t rows, int64_t T, int64_t H)
     int fa_rnn_bwd_cstate_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, float *scratch)
     int fa_rnn_bwd_cstate_f64(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, double *scratch)
     int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0, int64_t s1,
@@ -187,11 +185,9 @@ cdef double g_chunk_flops = 1e8
 # (min of 40 interleaved runs, the machine loaded by other processes).
 cdef int g_bwd_blocks = 4
 DEF BWD_MIN_ROWS = 16
-# dW_hh (when scan_backward is given dw): each block's gemms of about DW_ROWS
-# rows (dw_steps = DW_ROWS // rows steps).  fastattn._recurrence passes None
-# and computes dW_hh after the loop with one chunked product over all rows
-# (measured faster: no gemms of ~32 rows into a full (G*H, H) copy per block).
-DEF DW_ROWS = 32
+# dW_hh is not formed here: fastattn._recurrence computes it after the loop
+# with one chunked product over all rows (measured faster than each block's
+# gemms of ~32 rows into its own full (G*H, H) copy, which this kernel did first).
 
 
 def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
@@ -623,7 +619,7 @@ def backward_blocks(int64_t B, int64_t H, int G):
 
 def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object hprev, object c0,
                   object go, cnp.ndarray whh, object lengths, bint reverse, cnp.ndarray dxw,
-                  object dgh, cnp.ndarray dh, object dc, object db, object dw, int n_threads):
+                  object dgh, cnp.ndarray dh, object dc, object db, int n_threads):
     """The dh (and dc) recurrence of one layer and direction, backwards over all steps.
 
     xw: (B, T, G*H) the forward's input projections, last axis contiguous, any
@@ -636,9 +632,7 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     C-contiguous; dgh the same (GRU) or None; dh (B, H) C-contiguous holds
     dL/dh_T and receives dL/dh_0; dc the same for LSTM, else None; db: (B, G*H)
     float64 zeros or None, row i * rows receives row block i's sums of dgh
-    (float64; dL/db_hh = db.sum(0), in block order); dw: (blocks, G*H, H)
-    zeros (blocks from backward_blocks) or None, dw[i] receives row block i's
-    dgh^T hprev (dL/dW_hh = dw.sum(0), in block order).  One float
+    (float64; dL/db_hh = db.sum(0), in block order).  One float
     dtype; B, T, H >= 1; G*H, H, B within int.  Returns the number of row
     blocks (fixed by B, G and H).  From the main thread, KeyboardInterrupt
     stops between chunks of steps and is raised here.
@@ -693,10 +687,7 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     s.status = 0
     nblocks, rows = backward_blocks(B, H, G)
     s.rows = rows
-    s.a.dw = NULL if dw is None else cnp.PyArray_DATA(<cnp.ndarray>dw)
-    s.a.dw_rows = rows
-    s.a.dw_steps = DW_ROWS // rows if rows < DW_ROWS else 1
-    s.per = fa_rnn_bwd_scratch(cell, rows, T, H, s.a.dw_steps if dw is not None else 0)
+    s.per = fa_rnn_bwd_scratch(cell, rows, T, H)
     scratch = cnp.PyArray_EMPTY(1, [nblocks * s.per], cnp.PyArray_TYPE(xw), 0)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     if s.f32 and s.a.simd and fa_proj_packed_available():
