@@ -34,8 +34,6 @@ def _parts(x, name, axis):
             raise ValueError(f"{name}: every part must have the same shape, got "
                              f"{sorted(shapes)}")
         return np.stack(arrs, axis=0), True
-    if not hasattr(x, "shape"):
-        x = np.asarray(x)
     arr = np.asarray(x)
     if arr.dtype == object:
         raise TypeError(f"{name}: expected a sequence of arrays or an array, got {describe(x)}")

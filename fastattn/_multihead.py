@@ -620,7 +620,6 @@ def multi_head_attention_backward(
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
                  False, True, num_kv_heads, scale, causal_alignment, n_threads)
     B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
-    kvE = Hkv * dh
     out_shape = (B, Lq, p.E_out) if p.batched else (Lq, p.E_out)
     g = check_grad_array(grad_out, "grad_out", out_shape).astype(cdt, copy=False)
     g = g.reshape(B * Lq, p.E_out)

@@ -238,7 +238,6 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     ``n_threads`` gives the same bits.
     """
     a = _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads)
-    G = RNN_CELLS[cell]
     B, T, H, GH, ct = a.B, a.T, a.H, a.GH, a.ct
     o = _array(outputs, "outputs")
     if o.shape != (B, T, H):

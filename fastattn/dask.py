@@ -25,14 +25,12 @@ Optional (``pip install 'fastattn[dask]'``: ``dask[array]`` and
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import threading
 
 import numpy as np
 
 try:
-    import dask
     import dask.array as da
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
@@ -168,7 +166,7 @@ def _resolve(name):
             "(distributed's Client.register_plugin)") from None
 
 
-def _partial(q, k, v, m, diag, scale, n_threads, sim, params, causal_flag, align):
+def _partial(q, k, v, m, diag, scale, n_threads, sim, params):
     """One (query block, key block) call: (out, lse).  diag: None, or the
     offset c such that local key j may be seen by local query i iff
     j <= i + c (a block across the causal diagonal, as a boolean mask)."""
@@ -183,12 +181,10 @@ def _partial(q, k, v, m, diag, scale, n_threads, sim, params, causal_flag, align
         else:
             m = np.where(allowed, m, -np.inf).astype(np.asarray(m).dtype, copy=False)
     if sim is None:
-        return fastattn.scaled_dot_product_attention(q, k, v, m, causal_flag, scale,
-                                                     causal_alignment=align, return_lse=True,
+        return fastattn.scaled_dot_product_attention(q, k, v, m, False, scale, return_lse=True,
                                                      n_threads=nt)
     return fastattn.attention(q, k, v, _resolve(sim), params=params, attn_mask=m,
-                              is_causal=causal_flag, causal_alignment=align, return_lse=True,
-                              n_threads=nt)
+                              return_lse=True, n_threads=nt)
 
 
 def _merge(*parts):
@@ -201,14 +197,11 @@ def _empty(out_shape, dtype):
     return np.zeros(out_shape, dtype), np.full(out_shape[:-1], -np.inf, dtype)
 
 
-def _result_dtype(q, k, v, mask):
-    dt = np.result_type(q.dtype, k.dtype, v.dtype)
-    if dt.kind != "f" or dt.itemsize < 4:
-        # fastattn's own policy decides (and errors for what it rejects): ask it on a probe
-        probe = fastattn.scaled_dot_product_attention(
-            np.zeros((1, 1), q.dtype), np.zeros((1, 1), k.dtype), np.zeros((1, 1), v.dtype))
-        dt = probe.dtype
-    return np.dtype(dt)
+def _result_dtype(q, k, v):
+    """The output dtype, by fastattn's own dtype policy (which also raises for
+    what it rejects): a one-element call on the inputs' dtypes."""
+    return fastattn.scaled_dot_product_attention(
+        np.zeros((1, 1), q.dtype), np.zeros((1, 1), k.dtype), np.zeros((1, 1), v.dtype)).dtype
 
 
 # ---------------------------------------------------------------- attention
@@ -256,7 +249,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
     q, k, v = _lift(q, nb), _lift(k, nb), _lift(v, nb)
     if m is not None:
         m = _lift(m, nb)
-    dt = _result_dtype(q, k, v, m)
+    dt = _result_dtype(q, k, v)
     dv = v.shape[-1]
     # batch chunks: the chunks of an input with that dim > 1 (all such inputs
     # rechunked alike); query and key chunks: q's rows, k's (= v's) rows
@@ -267,7 +260,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
         bchunks.append(big[0].chunks[ax] if big else (1,))
     qchunks, kchunks = q.chunks[-2], k.chunks[-2]
 
-    def rechunk(name, a, is_kv):
+    def rechunk(name, a):
         want = {}
         for ax in range(nb):
             if a.shape[ax] > 1 and a.chunks[ax] != bchunks[ax]:
@@ -284,7 +277,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
 
     for name in ("q", "k", "v", "m"):
         if arrays[name] is not None:
-            arrays[name] = rechunk(name, arrays[name], name in "kv")
+            arrays[name] = rechunk(name, arrays[name])
     q, k, v, m = arrays["q"], arrays["k"], arrays["v"], arrays["m"]
     qb, kb = _bounds(qchunks), _bounds(kchunks)
     off = 0 if causal_alignment == "top_left" else Lk - Lq
@@ -319,7 +312,7 @@ def _attention_graph(query, key, value, attn_mask, is_causal, scale, causal_alig
                 key = (pname,) + idx + (i, j)
                 dsk[key] = (_partial, (q.name,) + bidx(q, idx) + (i, 0),
                             (k.name,) + bidx(k, idx) + (j, 0), (v.name,) + bidx(v, idx) + (j, 0),
-                            mk, diag, scale, n_threads, sim, params, False, "top_left")
+                            mk, diag, scale, n_threads, sim, params)
                 parts.append(key)
                 n_calls += 1
             out_shape = bshape + (q1 - q0, dv)

@@ -3,7 +3,6 @@ benchmark shapes, memory, SIMD vs scalar, threads, and compiled plugins'
 error paths through the plugin ABI."""
 from __future__ import annotations
 
-import ctypes
 import threading
 import tracemalloc
 
@@ -12,10 +11,11 @@ import pytest
 
 import fastattn
 import fastattn.testing
-from fastattn import _attention, _reference as R, _scores
+from fastattn import _reference as R, _scores
 from fastattn._attention import SimilarityError
 from fastattn.similarity import CompiledSimilarity, ParamSpec
 
+import test_plugin_backward
 from support import assert_close, randn
 
 
@@ -196,17 +196,9 @@ def test_compiled_plugin_error_code(dtype, weights, rng):
 
 
 def _fake_capsule(abi, f32, f64, name=b"fastattn.score_plugin.v1"):
-    class Plugin(ctypes.Structure):
-        _fields_ = [("abi_version", ctypes.c_int), ("name", ctypes.c_char_p),
-                    ("score_f32", ctypes.c_void_p), ("score_f64", ctypes.c_void_p)]
-
-    st = Plugin(abi, b"fake", f32, f64)
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype = ctypes.py_object
-    new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    keep = ctypes.create_string_buffer(name)
-    cap = new(ctypes.addressof(st), keep, None)
-    return cap, (st, keep)
+    """A version 1 plugin struct (four fields) in a capsule named ``name``."""
+    cap = test_plugin_backward._capsule(["score_f32", "score_f64"], (abi, f32, f64), name.decode())
+    return cap, None
 
 
 class _Fake(CompiledSimilarity):
