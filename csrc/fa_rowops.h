@@ -87,10 +87,12 @@ typedef struct {
 /* Rows per block of gemm_pb (the lim granularity). */
 #define FA_PACK_ROWS 6
 
-/* Columns of a packed operand, rounded up to whole panels (16 floats or 8 doubles). */
-#define FA_PACK_ROUND(cols) (((cols) + 15) / 16 * 16)
+/* Columns of a packed operand, rounded up to whole panels (AVX2: 16 floats or
+ * 8 doubles; AVX-512: 32 floats or 16 doubles; the larger for all tables). */
+#define FA_PACK_ROUND(cols) (((cols) + 31) / 32 * 32)
 
-/* The table in use (scalar or AVX2), chosen by fa_simd_set_disabled / CPU detection. */
+/* The table in use (scalar, AVX2 or AVX-512), chosen by CPU detection, fa_simd_set_disabled
+ * and fa_simd_set_max_level. */
 const fa_rowops *fa_get_rowops(void);
 
 /* 1 when no (query row, key) pair of the tile rows [i0, i0+m) x keys

@@ -514,6 +514,7 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
     _mm256_storeu_pd(dst + 3 * ldd, _mm256_mul_pd(vs, _mm256_permute2f128_pd(t1, t3, 0x31)));
 }
 
+#define SMT AVX2
 #define SM(name) SM_(name, f32)
 #define SM_(name, t) SM__(name, t)
 #define SM__(name, t) name##_##t
@@ -563,6 +564,151 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
 #undef FMADD
 #undef MUL
 #undef ADD
+#undef SMT
+
+/* ---------------------------------------------------------------- AVX-512
+ * The same products with 512-bit vectors (AVX512F), for CPUs that have them:
+ * fa_small_avx2.h instantiated again with W = 16 floats / 8 doubles, so a
+ * packed panel is 2W = 32 floats or 16 doubles wide (FA_PACK_ROUND rounds to
+ * 32).  Every output element of small_pv, small_qk's transposed form and
+ * gemm_pb is one sequential FMA chain over the inner dimension, as with AVX2:
+ * the two tables give the same bits there; only small_qk's dot-product form
+ * for few rows (lane sums) rounds differently.  The row operations (exp,
+ * masks, the backward's elementwise steps) stay AVX2. */
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+AVX512 static inline __mmask16 mask16(int64_t cnt)
+{
+    return cnt >= 16 ? (__mmask16)0xFFFF : cnt <= 0 ? (__mmask16)0 : (__mmask16)((1u << cnt) - 1u);
+}
+
+AVX512 static inline __mmask8 mask8(int64_t cnt)
+{
+    return cnt >= 8 ? (__mmask8)0xFF : cnt <= 0 ? (__mmask8)0 : (__mmask8)((1u << cnt) - 1u);
+}
+
+AVX512 static inline __m512 load_part_f32z(const float *p, int64_t cnt)
+{
+    return cnt >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask16(cnt), p);
+}
+
+AVX512 static inline void store_part_f32z(float *p, __m512 v, int64_t cnt)
+{
+    if (cnt >= 16)
+        _mm512_storeu_ps(p, v);
+    else
+        _mm512_mask_storeu_ps(p, mask16(cnt), v);
+}
+
+AVX512 static inline __m512d load_part_f64z(const double *p, int64_t cnt)
+{
+    return cnt >= 8 ? _mm512_loadu_pd(p) : _mm512_maskz_loadu_pd(mask8(cnt), p);
+}
+
+AVX512 static inline void store_part_f64z(double *p, __m512d v, int64_t cnt)
+{
+    if (cnt >= 8)
+        _mm512_storeu_pd(p, v);
+    else
+        _mm512_mask_storeu_pd(p, mask8(cnt), v);
+}
+
+/* lane-pair sums down to 256 bits, then AVX2's four-way sums */
+AVX512 static inline __m256 halves_f32z(__m512 v)
+{
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+AVX512 static inline __m128 hsum4_f32z(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+    return hsum4_f32(halves_f32z(a0), halves_f32z(a1), halves_f32z(a2), halves_f32z(a3));
+}
+
+AVX512 static inline __m256d halves_f64z(__m512d v)
+{
+    return _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+}
+
+AVX512 static inline __m256d hsum4_f64z(__m512d a0, __m512d a1, __m512d a2, __m512d a3)
+{
+    return hsum4_f64(halves_f64z(a0), halves_f64z(a1), halves_f64z(a2), halves_f64z(a3));
+}
+
+#define store4_f32z store4_f32
+#define store4_f64z store4_f64
+
+/* a 16 x 16 float (8 x 8 double) block as four AVX2 transposes: dst rows =
+ * scale * src columns */
+AVX512 static inline void transpose_block_f32z(const float *src, int64_t lds, float *dst,
+                                               int64_t ldd, __m512 vs)
+{
+    __m256 v = _mm512_castps512_ps256(vs);
+    transpose_block_f32(src, lds, dst, ldd, v);
+    transpose_block_f32(src + 8, lds, dst + 8 * ldd, ldd, v);
+    transpose_block_f32(src + 8 * lds, lds, dst + 8, ldd, v);
+    transpose_block_f32(src + 8 * lds + 8, lds, dst + 8 * ldd + 8, ldd, v);
+}
+
+AVX512 static inline void transpose_block_f64z(const double *src, int64_t lds, double *dst,
+                                               int64_t ldd, __m512d vs)
+{
+    __m256d v = _mm512_castpd512_pd256(vs);
+    transpose_block_f64(src, lds, dst, ldd, v);
+    transpose_block_f64(src + 4, lds, dst + 4 * ldd, ldd, v);
+    transpose_block_f64(src + 4 * lds, lds, dst + 4, ldd, v);
+    transpose_block_f64(src + 4 * lds + 4, lds, dst + 4 * ldd + 4, ldd, v);
+}
+
+#define SMT AVX512
+#define SM(name) SM_(name, f32z)
+#define ELT float
+#define VEC __m512
+#define W 16
+#define SET1 _mm512_set1_ps
+#define ZERO _mm512_setzero_ps
+#define LOADU _mm512_loadu_ps
+#define STOREU _mm512_storeu_ps
+#define FMADD _mm512_fmadd_ps
+#define MUL _mm512_mul_ps
+#define ADD _mm512_add_ps
+#include "fa_small_avx2.h"
+#undef SM
+#undef ELT
+#undef VEC
+#undef W
+#undef SET1
+#undef ZERO
+#undef LOADU
+#undef STOREU
+#undef FMADD
+#undef MUL
+#undef ADD
+
+#define SM(name) SM_(name, f64z)
+#define ELT double
+#define VEC __m512d
+#define W 8
+#define SET1 _mm512_set1_pd
+#define ZERO _mm512_setzero_pd
+#define LOADU _mm512_loadu_pd
+#define STOREU _mm512_storeu_pd
+#define FMADD _mm512_fmadd_pd
+#define MUL _mm512_mul_pd
+#define ADD _mm512_add_pd
+#include "fa_small_avx2.h"
+#undef SM
+#undef ELT
+#undef VEC
+#undef W
+#undef SET1
+#undef ZERO
+#undef LOADU
+#undef STOREU
+#undef FMADD
+#undef MUL
+#undef ADD
+#undef SMT
 
 /* The backward's elementwise steps (the same roundings as the scalar ones:
  * one IEEE operation per step, in the same order). */
@@ -701,6 +847,24 @@ static const fa_rowops avx2_ops = {
     dot64_f32_avx2, dot64_f64_avx2,
 };
 
+static const fa_rowops avx512_ops = {
+    rowmax_f32_avx2, rowmax_f64_avx2,
+    expsub_sum_f32_avx2, expsub_sum_f64_avx2,
+    expsub_masked_f32_avx2, expsub_masked_f64_avx2,
+    mask_bool_f32_avx2, mask_bool_f64_avx2,
+    exp_f32_avx2, exp_f64_avx2,
+    small_qk_f32z, small_qk_f64z,
+    small_pv_f32z, small_pv_f64z,
+    pack_kt_f32z, pack_kt_f64z,
+    pack_v_f32z, pack_v_f64z,
+    gemm_pb_f32z, gemm_pb_f64z,
+    bwd_ds_f32_avx2, bwd_ds_f64_avx2,
+    bwd_acc_f32_avx2, bwd_acc_f64_avx2,
+    bwd_store_f32_avx2, bwd_store_f64_avx2,
+    scale_f32_avx2, scale_f64_avx2,
+    dot64_f32_avx2, dot64_f64_avx2,
+};
+
 /* The FMA throughput probe (fa_fma_probe): 12 independent chains, enough to
  * keep two FMA pipes of latency 4-5 busy; 192 flops an iteration. */
 AVX2 static float fma_probe_avx2(int64_t n)
@@ -724,10 +888,32 @@ AVX2 static float fma_probe_avx2(int64_t n)
     return hsum8(t);
 }
 
-static int cpu_has_avx2_fma(void)
+/* The FMA probe with 512-bit vectors: 12 chains, 384 flops an iteration. */
+AVX512 static float fma_probe_avx512(int64_t n)
+{
+    __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-6f);
+    __m512 a[12];
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm512_set1_ps(0.1f * (float)(i + 1));
+    for (int64_t i = 0; i < n; i++) {
+        _Pragma("GCC unroll 12")
+        for (int r = 0; r < 12; r++)
+            a[r] = _mm512_fmadd_ps(a[r], b, c);
+    }
+    __m512 t = a[0];
+    for (int r = 1; r < 12; r++)
+        t = _mm512_add_ps(t, a[r]);
+    return _mm512_reduce_add_ps(t);
+}
+
+/* 0: no usable SIMD, 1: AVX2 + FMA, 2: also AVX512F (libgcc's check
+ * includes the OS saving the vector state) */
+static int cpu_simd_level(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 #else
 #define FA_HAVE_AVX2_CODE 0
@@ -736,27 +922,39 @@ static int cpu_has_avx2_fma(void)
 /* --------------------------------------------------------------- dispatch */
 
 static int simd_disabled = 0;
+static int simd_max_level = 2;
 
 int fa_simd_compiled(void) { return FA_HAVE_AVX2_CODE; }
 
-int fa_simd_active(void)
+/* The table in use: 0 scalar, 1 AVX2, 2 AVX-512 products (the CPU's level,
+ * capped by fa_simd_set_max_level; 0 while disabled). */
+int fa_simd_level(void)
 {
 #if FA_HAVE_AVX2_CODE
     static int detected = -1;
     if (detected < 0)
-        detected = cpu_has_avx2_fma();
-    return detected && !simd_disabled;
+        detected = cpu_simd_level();
+    if (simd_disabled)
+        return 0;
+    return detected < simd_max_level ? detected : simd_max_level;
 #else
     return 0;
 #endif
 }
 
+int fa_simd_active(void) { return fa_simd_level() > 0; }
+
 void fa_simd_set_disabled(int disable) { simd_disabled = disable != 0; }
+
+void fa_simd_set_max_level(int level) { simd_max_level = level < 0 ? 0 : level > 2 ? 2 : level; }
 
 const fa_rowops *fa_get_rowops(void)
 {
 #if FA_HAVE_AVX2_CODE
-    if (fa_simd_active())
+    int level = fa_simd_level();
+    if (level >= 2)
+        return &avx512_ops;
+    if (level == 1)
         return &avx2_ops;
 #endif
     return &scalar_ops;
@@ -772,7 +970,12 @@ double fa_expsub_masked_f64(double *x, int64_t n, double m) { return fa_get_rowo
 double fa_fma_probe(int64_t n, float *sink)
 {
 #if FA_HAVE_AVX2_CODE
-    if (fa_simd_active()) {
+    int level = fa_simd_level();
+    if (level >= 2) {
+        *sink = fma_probe_avx512(n);
+        return 384.0 * (double)n;
+    }
+    if (level == 1) {
         *sink = fma_probe_avx2(n);
         return 192.0 * (double)n;
     }

@@ -16,7 +16,7 @@
 /* O rows p0..p5 x columns [0, 2W) of the block starting at V; rem = columns
  * left in the row from here (>= 2W when FULL). */
 #define PV_6X2(NAME, FULL)                                                                \
-    AVX2 static void SM(NAME)(int64_t n, int64_t rem, const ELT *const *p,                \
+    SMT static void SM(NAME)(int64_t n, int64_t rem, const ELT *const *p,                \
                               const ELT *V, int64_t ldv, ELT *O, int64_t ldo, int nrows)  \
     {                                                                                     \
         VEC a00 = ZERO(), a01 = ZERO(), a10 = ZERO(), a11 = ZERO();                       \
@@ -52,7 +52,7 @@ PV_6X2(pv_6x2_part, 0)
 
 /* One output row x 4 vectors of columns [0, 4W) (fewer when rem < 4W), with
  * even and odd keys in separate accumulators to hide FMA latency. */
-AVX2 static void SM(pv_1x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *V, int64_t ldv,
+SMT static void SM(pv_1x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *V, int64_t ldv,
                             ELT *O)
 {
     VEC a0 = ZERO(), a1 = ZERO(), a2 = ZERO(), a3 = ZERO();
@@ -84,7 +84,7 @@ AVX2 static void SM(pv_1x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *V,
 
 /* Two output rows x 4 vectors of columns [0, 4W) (fewer when rem < 4W): for
  * few rows, where 6-row blocks would mostly repeat rows. */
-AVX2 static void SM(pv_2x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *p1,
+SMT static void SM(pv_2x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *p1,
                             const ELT *V, int64_t ldv, ELT *O, int64_t ldo, int second)
 {
     VEC a0 = ZERO(), a1 = ZERO(), a2 = ZERO(), a3 = ZERO();
@@ -119,7 +119,7 @@ AVX2 static void SM(pv_2x4)(int64_t n, int64_t rem, const ELT *p0, const ELT *p1
     }
 }
 
-AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, int64_t ldp,
+SMT static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, int64_t ldp,
                               const ELT *V, int64_t ldv, ELT *O, int64_t ldo)
 {
     int64_t i = 0;
@@ -153,7 +153,7 @@ AVX2 static void SM(small_pv)(int64_t m, int64_t dv, int64_t n, const ELT *P, in
 
 /* Dot-product form for few query rows (<= FA_SMALL_QK_DOT_ROWS), where transposing K costs
  * more than it saves: 2 rows x 4 keys, one horizontal reduction per block. */
-AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *k0,
+SMT static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *k0,
                             const ELT *k1, const ELT *k2, const ELT *k3, ELT scale,
                             ELT *s0, ELT *s1, int nkeys, int second)
 {
@@ -188,7 +188,7 @@ AVX2 static void SM(qk_2x4)(int64_t d, const ELT *q0, const ELT *q1, const ELT *
 
 /* kt (d x n, row stride n) = scale * K^T for K (n x d, ldk): W x W blocks
  * through registers, scalar edges. */
-AVX2 static void SM(transpose_scaled)(int64_t n, int64_t d, ELT scale, const ELT *K,
+SMT static void SM(transpose_scaled)(int64_t n, int64_t d, ELT scale, const ELT *K,
                                       int64_t ldk, ELT *kt)
 {
     const VEC vs = SET1(scale);
@@ -208,7 +208,7 @@ AVX2 static void SM(transpose_scaled)(int64_t n, int64_t d, ELT scale, const ELT
 
 /* S = scale * Q . K^T as a P.V-shaped product against K^T, transposed (and
  * scaled) into kt first: no horizontal reductions in the inner loop. */
-AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
+SMT static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
                               const ELT *Q, int64_t ldq, const ELT *K, int64_t ldk,
                               ELT *S, int64_t lds, ELT *kt)
 {
@@ -239,7 +239,7 @@ AVX2 static void SM(small_qk)(int64_t m, int64_t n, int64_t d, ELT scale,
 #define PW (2 * W)
 
 /* kp = scale * K^T in panels of PW keys: kp[p][c][jj] = scale * K[p*PW + jj][c]. */
-AVX2 static void SM(pack_kt)(int64_t n, int64_t d, ELT scale, const ELT *K, int64_t ldk,
+SMT static void SM(pack_kt)(int64_t n, int64_t d, ELT scale, const ELT *K, int64_t ldk,
                              ELT *kp)
 {
     const VEC vs = SET1(scale);
@@ -259,7 +259,7 @@ AVX2 static void SM(pack_kt)(int64_t n, int64_t d, ELT scale, const ELT *K, int6
 }
 
 /* vp = V in panels of PW columns: vp[p][j][cc] = V[j][p*PW + cc]. */
-AVX2 static void SM(pack_v)(int64_t n, int64_t dv, const ELT *V, int64_t ldv, ELT *vp)
+SMT static void SM(pack_v)(int64_t n, int64_t dv, const ELT *V, int64_t ldv, ELT *vp)
 {
     for (int64_t p0 = 0; p0 < dv; p0 += PW) {
         ELT *panel = vp + p0 * n;
@@ -285,7 +285,7 @@ AVX2 static void SM(pack_v)(int64_t n, int64_t dv, const ELT *V, int64_t ldv, EL
  * streaming kernel's output rows are then a sum of per-tile sums, whose
  * rounding error grows with the tile length, not with the whole key length
  * (one sequential chain over 2048 keys had 1.6x torch's rms error). */
-AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, ELT *C,
+SMT static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, ELT *C,
                                    int64_t ldc, int nrows, int64_t rem, int acc)
 {
     VEC a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51;
@@ -324,7 +324,7 @@ AVX2 static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p,
  * L1 while every row block of A passes over it.  lim (NULL: none) limits row
  * block r (rows 6r..6r+5) to its first lim[r] columns, or with lim_k to its
  * first lim[r] terms of the inner dimension (causal tiles). */
-AVX2 static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, int64_t lda,
+SMT static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, int64_t lda,
                              const ELT *Bp, ELT *C, int64_t ldc, int acc, const int64_t *lim,
                              int lim_k)
 {

@@ -178,15 +178,20 @@ double fa_expsub_sum_f64(double *x, int64_t n, double m);
 float fa_expsub_masked_f32(float *x, int64_t n, float m);
 double fa_expsub_masked_f64(double *x, int64_t n, double m);
 
-/* Benchmarks' yardstick: n iterations of 12 independent 8-lane float FMAs on
- * this thread; returns the flops done (0 when the AVX2 code is not in use),
+/* Benchmarks' yardstick: n iterations of 12 independent float FMAs on this
+ * thread, 8 lanes (AVX2) or 16 (AVX-512) as the table in use has them;
+ * returns the flops done (0 when no SIMD code is in use),
  * *sink receives a value that depends on all of them. */
 double fa_fma_probe(int64_t n, float *sink);
 
 /* SIMD dispatch: 1 when the AVX2/FMA code paths are in use. */
 int fa_simd_active(void);
+/* The level in use: 0 scalar, 1 AVX2/FMA, 2 AVX-512 products (AVX512F CPUs). */
+int fa_simd_level(void);
 /* Force the portable scalar paths (disable != 0) or re-enable detection. */
 void fa_simd_set_disabled(int disable);
+/* Cap the level detection may choose (2, the default: whatever the CPU has). */
+void fa_simd_set_max_level(int level);
 /* 1 when this build contains AVX2/FMA code at all. */
 int fa_simd_compiled(void);
 

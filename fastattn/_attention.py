@@ -694,7 +694,7 @@ def _run_fused(c, res, weights, lse=None):
 
 def _launch_additive(c, qx, kx, v, res, weights, bq, nt, kind, fn, packed, lse=None):
     p = c.p
-    _scores.sync_simd(_kernels.simd_active())
+    _scores.sync_simd(_kernels.simd_level())
     rc, prc = _scores.tiled_attention(qx, kx, v, p.mask, p.mask_kind, res, weights, p.batch,
                                       p.causal, p.causal_offset, bq, C_BLOCK_K, nt, kind, fn,
                                       packed, kind == _scores.SCORE_PLUGIN,
@@ -972,7 +972,7 @@ def _backward_additive(c, g, o, ls):
         delta = np.empty(nb * p.Lq, np.float64)
         part = np.empty(ng * nb * p.Lq * dp, np.float64)
         vpart = np.empty(nb * ng * dp, np.float64)
-        _scores.sync_simd(_kernels.simd_active())
+        _scores.sync_simd(_kernels.simd_level())
         rc = _scores.additive_backward(qp, kp, vpad, p.v, o, g, ls[..., None], p.mask,
                                        p.mask_kind, dqp, dkp, dv, dvec, delta, part, vpart,
                                        p.batch, p.causal, p.causal_offset, bq, bk, nt, ng)

@@ -69,6 +69,8 @@ cdef extern from "fastattn.h" nogil:
     int64_t fa_pool_last_helped()
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
+    int fa_simd_level()
+    void fa_simd_set_max_level(int level)
 
 cdef extern from "fa_pool.h" nogil:
     ctypedef void (*fa_task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
@@ -140,6 +142,15 @@ def simd_active():
 
 def set_simd_disabled(bint disable):
     fa_simd_set_disabled(disable)
+
+
+def simd_level():
+    """0 scalar, 1 AVX2/FMA, 2 AVX-512 products."""
+    return fa_simd_level()
+
+
+def set_simd_max_level(int level):
+    fa_simd_set_max_level(level)
 
 
 def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,

@@ -79,6 +79,8 @@ cdef extern from "fa_additive.h" nogil:
     int FA_BWD_MAX_GROUPS
     int fa_simd_active()
     void fa_simd_set_disabled(int disable)
+    int fa_simd_level()
+    void fa_simd_set_max_level(int level)
 
 SCORE_ADDITIVE = 0
 SCORE_PLUGIN = 1
@@ -153,9 +155,11 @@ def project(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads
     return rc
 
 
-def sync_simd(bint active):
-    """Follow fastattn._kernels' SIMD switch (this extension has its own copy)."""
-    fa_simd_set_disabled(not active)
+def sync_simd(int level):
+    """Follow fastattn._kernels' SIMD level (``_kernels.simd_level()``: 0 scalar,
+    1 AVX2, 2 AVX-512; this extension has its own copy of the switch)."""
+    fa_simd_set_disabled(level <= 0)
+    fa_simd_set_max_level(level if level > 0 else 2)
 
 
 def simd_active():

@@ -20,7 +20,7 @@ from support import assert_close, randn
 
 
 def _tanh(x):
-    _scores.sync_simd(fastattn.simd_active())
+    _scores.sync_simd(fastattn._kernels.simd_level())
     y = np.empty_like(x)
     _scores.tanh(np.ascontiguousarray(x), y)
     return y
@@ -74,7 +74,7 @@ def test_tanh_against_mpmath(simd_mode):
     x64 = np.concatenate([rng.standard_normal(1500) * 3, rng.random(500) * 1.3,
                           np.linspace(0.62, 0.63, 200), -np.linspace(0.62, 0.63, 200),
                           rng.random(300) * 40 - 20])
-    _scores.sync_simd(fastattn.simd_active())
+    _scores.sync_simd(fastattn._kernels.simd_level())
     y64 = np.empty_like(x64)
     _scores.tanh(x64, y64)
     exact = np.array([float(mpmath.tanh(mpmath.mpf(float(t)))) for t in x64])
@@ -83,7 +83,7 @@ def test_tanh_against_mpmath(simd_mode):
 
 
 def test_tanh_float64_special_values(simd_mode):
-    _scores.sync_simd(fastattn.simd_active())
+    _scores.sync_simd(fastattn._kernels.simd_level())
     x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, -1e-300, 19.0, 19.2, -30.0, 1e300])
     y = np.empty_like(x)
     _scores.tanh(x, y)
