@@ -281,11 +281,11 @@ AVX2 static double rowmax_f64_avx2(const double *x, int64_t n)
     return hmax4(_mm256_max_pd(m0, m1));
 }
 
-AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
+/* x[j..n) of expsub_sum, onto the 8 lane sums acc (lane i sums the
+ * elements i mod 8 in order: the AVX-512 loop hands over the same sums) */
+AVX2 static inline float expsub_sum_f32_from(float *x, int64_t j, int64_t n, float m, __m256 acc)
 {
     const __m256 vm = _mm256_set1_ps(m);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 e = exp8_nonpos_f32(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
         _mm256_storeu_ps(x + j, e);
@@ -303,6 +303,11 @@ AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
         acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(msk)));
     }
     return hsum8(acc);
+}
+
+AVX2 static float expsub_sum_f32_avx2(float *x, int64_t n, float m)
+{
+    return expsub_sum_f32_from(x, 0, n, m, _mm256_setzero_ps());
 }
 
 AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
@@ -332,11 +337,10 @@ AVX2 static double expsub_sum_f64_avx2(double *x, int64_t n, double m)
 #define FA_EXP_DEAD_F32 (-104.0f)
 #define FA_EXP_DEAD_F64 (-746.0)
 
-AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
+AVX2 static inline float expsub_masked_f32_from(float *x, int64_t j, int64_t n, float m,
+                                               __m256 acc)
 {
     const __m256 vm = _mm256_set1_ps(m), dead = _mm256_set1_ps(FA_EXP_DEAD_F32);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
         __m256 gone = _mm256_cmp_ps(v, dead, _CMP_LT_OQ);  /* NaN: kept, propagates */
@@ -355,6 +359,11 @@ AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
         acc = _mm256_add_ps(acc, e);
     }
     return hsum8(acc);
+}
+
+AVX2 static float expsub_masked_f32_avx2(float *x, int64_t n, float m)
+{
+    return expsub_masked_f32_from(x, 0, n, m, _mm256_setzero_ps());
 }
 
 AVX2 static double expsub_masked_f64_avx2(double *x, int64_t n, double m)
@@ -573,8 +582,10 @@ AVX2 static inline void transpose_block_f64(const double *src, int64_t lds, doub
  * 32).  Every output element of small_pv, small_qk's transposed form and
  * gemm_pb is one sequential FMA chain over the inner dimension, as with AVX2:
  * the two tables give the same bits there; only small_qk's dot-product form
- * for few rows (lane sums) rounds differently.  The row operations (exp,
- * masks, the backward's elementwise steps) stay AVX2. */
+ * for few rows (lane sums) rounds differently.  The float exp rows
+ * (expsub, masked or not) and the backward's elementwise steps have 512-bit
+ * versions with AVX2's roundings and sums in AVX2's order (the same bits);
+ * the rest of the row operations stay AVX2. */
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 AVX512 static inline __mmask16 mask16(int64_t cnt)
@@ -847,10 +858,144 @@ static const fa_rowops avx2_ops = {
     dot64_f32_avx2, dot64_f64_avx2,
 };
 
+/* exp16_nonpos_f32: exp8_nonpos_f32 (fa_exp_avx2.h) lane for lane, the same
+ * operations in the same order, so the same bits. */
+AVX512 static inline __m512 exp16_nonpos_f32(__m512 x)
+{
+    const __m512 magic = _mm512_set1_ps(12582912.0f); /* 1.5 * 2^23 */
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);   /* a NaN x is kept */
+    __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
+    __m512 n = _mm512_sub_ps(t, magic);
+    __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(magic));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.381461275741458e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710055947304e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899254799e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113199234e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999403953552e-1f));
+    __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __mmask16 out = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(-126), ni);
+    if (!out)
+        return _mm512_mul_ps(e, _mm512_castsi512_ps(
+                                    _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23)));
+    __m512i n1 = _mm512_srai_epi32(ni, 1);
+    __m512i n2 = _mm512_sub_epi32(ni, n1);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, _mm512_set1_epi32(127)), 23));
+    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(e, s1), s2);
+}
+
+AVX512 static inline __m256 hi256_f32z(__m512 v)
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+AVX512 static inline __m512 join256_f32z(__m256 lo, __m256 hi)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+/* 16 at a time, the two halves added to AVX2's 8 lane sums in its order */
+AVX512 static float expsub_sum_f32_avx512(float *x, int64_t n, float m)
+{
+    const __m512 vm = _mm512_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16_nonpos_f32(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
+        _mm512_storeu_ps(x + j, e);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+        acc = _mm256_add_ps(acc, hi256_f32z(e));
+    }
+    return expsub_sum_f32_from(x, j, n, m, acc);
+}
+
+AVX512 static float expsub_masked_f32_avx512(float *x, int64_t n, float m)
+{
+    const __m512 vm = _mm512_set1_ps(m), dead = _mm512_set1_ps(FA_EXP_DEAD_F32);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + j), vm);
+        __mmask16 keep = _mm512_cmp_ps_mask(v, dead, _CMP_NLT_UQ);   /* NaN: kept */
+        __m512 e = _mm512_maskz_mov_ps(keep, exp16_nonpos_f32(_mm512_maskz_mov_ps(keep, v)));
+        _mm512_storeu_ps(x + j, e);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+        acc = _mm256_add_ps(acc, hi256_f32z(e));
+    }
+    return expsub_masked_f32_from(x, j, n, m, acc);
+}
+
+/* The backward's elementwise steps, 16 floats at a time (the AVX2 ones'
+ * roundings, element for element). */
+AVX512 static void bwd_ds_f32_avx512(const float *p, float *g, double dr, int64_t n)
+{
+    const __m512d d = _mm512_set1_pd(dr);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 gv = _mm512_loadu_ps(g + j);
+        __m512d lo = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(gv)), d);
+        __m512d hi = _mm512_sub_pd(_mm512_cvtps_pd(hi256_f32z(gv)), d);
+        __m512 diff = join256_f32z(_mm512_cvtpd_ps(lo), _mm512_cvtpd_ps(hi));
+        _mm512_storeu_ps(g + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), diff));
+    }
+    bwd_ds_f32_avx2(p + j, g + j, dr, n - j);
+}
+
+AVX512 static void bwd_acc_f32_avx512(double *acc, const float *t, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 tv = _mm512_loadu_ps(t + j);
+        _mm512_storeu_pd(acc + j, _mm512_add_pd(_mm512_loadu_pd(acc + j),
+                                                _mm512_cvtps_pd(_mm512_castps512_ps256(tv))));
+        _mm512_storeu_pd(acc + j + 8, _mm512_add_pd(_mm512_loadu_pd(acc + j + 8),
+                                                    _mm512_cvtps_pd(hi256_f32z(tv))));
+    }
+    bwd_acc_f32_avx2(acc + j, t + j, n - j);
+}
+
+AVX512 static void bwd_acc_f64_avx512(double *acc, const double *t, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm512_storeu_pd(acc + j, _mm512_add_pd(_mm512_loadu_pd(acc + j), _mm512_loadu_pd(t + j)));
+    bwd_acc_f64_avx2(acc + j, t + j, n - j);
+}
+
+AVX512 static void bwd_store_f32_avx512(float *y, const double *acc, int64_t n)
+{
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(y + j, join256_f32z(_mm512_cvtpd_ps(_mm512_loadu_pd(acc + j)),
+                                             _mm512_cvtpd_ps(_mm512_loadu_pd(acc + j + 8))));
+    bwd_store_f32_avx2(y + j, acc + j, n - j);
+}
+
+AVX512 static void scale_f32_avx512(float *x, int64_t n, float f)
+{
+    const __m512 fv = _mm512_set1_ps(f);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), fv));
+    scale_f32_avx2(x + j, n - j, f);
+}
+
+AVX512 static void scale_f64_avx512(double *x, int64_t n, double f)
+{
+    const __m512d fv = _mm512_set1_pd(f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm512_storeu_pd(x + j, _mm512_mul_pd(_mm512_loadu_pd(x + j), fv));
+    scale_f64_avx2(x + j, n - j, f);
+}
+
 static const fa_rowops avx512_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
-    expsub_sum_f32_avx2, expsub_sum_f64_avx2,
-    expsub_masked_f32_avx2, expsub_masked_f64_avx2,
+    expsub_sum_f32_avx512, expsub_sum_f64_avx2,
+    expsub_masked_f32_avx512, expsub_masked_f64_avx2,
     mask_bool_f32_avx2, mask_bool_f64_avx2,
     exp_f32_avx2, exp_f64_avx2,
     small_qk_f32z, small_qk_f64z,
@@ -858,10 +1003,10 @@ static const fa_rowops avx512_ops = {
     pack_kt_f32z, pack_kt_f64z,
     pack_v_f32z, pack_v_f64z,
     gemm_pb_f32z, gemm_pb_f64z,
-    bwd_ds_f32_avx2, bwd_ds_f64_avx2,
-    bwd_acc_f32_avx2, bwd_acc_f64_avx2,
-    bwd_store_f32_avx2, bwd_store_f64_avx2,
-    scale_f32_avx2, scale_f64_avx2,
+    bwd_ds_f32_avx512, bwd_ds_f64_avx2,
+    bwd_acc_f32_avx512, bwd_acc_f64_avx512,
+    bwd_store_f32_avx512, bwd_store_f64_avx2,
+    scale_f32_avx512, scale_f64_avx512,
     dot64_f32_avx2, dot64_f64_avx2,
 };
 
@@ -947,6 +1092,8 @@ int fa_simd_active(void) { return fa_simd_level() > 0; }
 void fa_simd_set_disabled(int disable) { simd_disabled = disable != 0; }
 
 void fa_simd_set_max_level(int level) { simd_max_level = level < 0 ? 0 : level > 2 ? 2 : level; }
+
+int fa_simd_max_level(void) { return simd_max_level; }
 
 const fa_rowops *fa_get_rowops(void)
 {

@@ -192,6 +192,7 @@ int fa_simd_level(void);
 void fa_simd_set_disabled(int disable);
 /* Cap the level detection may choose (2, the default: whatever the CPU has). */
 void fa_simd_set_max_level(int level);
+int fa_simd_max_level(void);
 /* 1 when this build contains AVX2/FMA code at all. */
 int fa_simd_compiled(void);
 

@@ -25,9 +25,19 @@ from . import layers  # the public subpackage fastattn.layers (pure Python)
 
 __version__ = "0.1.0"
 
-# FASTATTN_DISABLE_SIMD=1 forces the portable scalar code paths.
+# FASTATTN_DISABLE_SIMD=1 forces the portable scalar code paths;
+# FASTATTN_SIMD=avx2 keeps an AVX-512 CPU on the AVX2 kernels.
 if _os.environ.get("FASTATTN_DISABLE_SIMD", "").strip() not in ("", "0"):
     _kernels.set_simd_disabled(True)
+_SIMD_CAPS = {"avx2": 1, "avx512": 2}
+_simd_env = _os.environ.get("FASTATTN_SIMD", "").strip().lower()
+if _simd_env in _SIMD_CAPS:
+    _kernels.set_simd_max_level(_SIMD_CAPS[_simd_env])
+elif _simd_env:
+    import warnings as _warnings
+
+    _warnings.warn(f"FASTATTN_SIMD: expected 'avx2' or 'avx512', got {_simd_env!r}; ignored",
+                   RuntimeWarning, stacklevel=2)
 
 
 def get_include() -> str:
@@ -43,6 +53,15 @@ def get_include() -> str:
 def simd_active() -> bool:
     """True when the AVX2/FMA kernels are in use (CPU support and not disabled)."""
     return _kernels.simd_active()
+
+
+def simd_isa():
+    """The vector kernels in use: ``"avx512"`` (AVX-512 products on AVX512F
+    CPUs), ``"avx2"``, or None (the portable scalar code: no AVX2/FMA, or
+    ``FASTATTN_DISABLE_SIMD=1``).  ``FASTATTN_SIMD=avx2`` before the import
+    keeps an AVX-512 CPU on the AVX2 kernels (the results are the same bits,
+    but for a few-row dot-product path)."""
+    return {0: None, 1: "avx2", 2: "avx512"}[_kernels.simd_level()]
 
 
 __all__ = [
@@ -62,6 +81,7 @@ __all__ = [
     "set_num_threads",
     "threads",
     "simd_active",
+    "simd_isa",
     "get_include",
     "__version__",
 ]

@@ -787,7 +787,7 @@ REPORT_FOOTER = ("fa/peer = fastattn time / faster of torch and ort (< 1: fastat
                  "GFLOP/s = 4*B*H*N^2*d (halved when causal) / fastattn time; %gemm = that / "
                  "the same run's SciPy-BLAS sgemm (float32) or dgemm (float64) 2048x2048 GFLOP/s; "
                  "%peak = that / the same run's FMA peak (fastattn._kernels.fma_probe: independent "
-                 "8-lane float FMAs on every thread; float64: half of it); "
+                 "float FMAs of the kernels' vector width (8 lanes AVX2, 16 AVX-512) on every thread; float64: half of it); "
                  "LOADED x = other processes kept x cores busy meanwhile (repeat that row)")
 
 

@@ -71,6 +71,7 @@ cdef extern from "fastattn.h" nogil:
     void fa_simd_set_disabled(int disable)
     int fa_simd_level()
     void fa_simd_set_max_level(int level)
+    int fa_simd_max_level()
 
 cdef extern from "fa_pool.h" nogil:
     ctypedef void (*fa_task_fn)(void *ctx, int64_t task, int slot) noexcept nogil
@@ -150,7 +151,12 @@ def simd_level():
 
 
 def set_simd_max_level(int level):
+    """Cap the level CPU detection may choose (2: no cap)."""
     fa_simd_set_max_level(level)
+
+
+def simd_max_level():
+    return fa_simd_max_level()
 
 
 def sdpa(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask, int mask_kind,

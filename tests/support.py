@@ -137,10 +137,12 @@ def _simd_capable() -> bool:
 
 SIMD_CAPABLE = _simd_capable()
 _INITIAL_SIMD = _kernels.simd_active()
+_INITIAL_SIMD_CAP = _kernels.simd_max_level()
 
 
 def _restore_simd():
     _kernels.set_simd_disabled(not _INITIAL_SIMD if SIMD_CAPABLE else True)
+    _kernels.set_simd_max_level(_INITIAL_SIMD_CAP)
 
 
 # --------------------------------------------------------------------------

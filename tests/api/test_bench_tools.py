@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import fastattn
 from fastattn import _bench
 from support import REPO_ROOT
 
@@ -132,20 +133,24 @@ def test_report_from_json(tmp_path, capsys):
 
 
 def test_fma_probe_counts_its_flops():
-    """The peak probe does 64 tasks x iters x 12 FMAs of 8 lanes (2 flops each),
-    on any thread count, and nothing without the AVX2 code."""
+    """The peak probe does 64 tasks x iters x 12 FMAs of 8 lanes (AVX2) or 16
+    (AVX-512), 2 flops each, on any thread count, and nothing without SIMD code."""
     from support import SIMD_CAPABLE, _restore_simd
     from fastattn import _kernels
     if not _kernels.simd_active():
         assert _kernels.fma_probe(10, 2) == 0
         return
+    per_iter = {"avx2": 192, "avx512": 384}[fastattn.simd_isa()]
     for nt in (1, 2, 3):
-        assert _kernels.fma_probe(10, nt) == 64 * 10 * 192
+        assert _kernels.fma_probe(10, nt) == 64 * 10 * per_iter
     assert _kernels.fma_probe(0, 2) == 0
     run, flops = _bench.fma_peak_callable(2)
-    assert flops == 64 * _bench.PEAK_ITERS * 192 and run() == flops
+    assert flops == 64 * _bench.PEAK_ITERS * per_iter and run() == flops
     assert SIMD_CAPABLE
     try:
+        _kernels.set_simd_max_level(1)
+        assert _kernels.fma_probe(10, 1) == 64 * 10 * 192
+        _restore_simd()
         _kernels.set_simd_disabled(True)
         assert _kernels.fma_probe(10, 2) == 0
         assert _bench.fma_peak_gflops(2) is None

@@ -1,4 +1,5 @@
-"""SIMD dispatch switches: FASTATTN_DISABLE_SIMD at import, set_simd_disabled at run time."""
+"""SIMD dispatch switches: FASTATTN_DISABLE_SIMD and FASTATTN_SIMD at import,
+set_simd_disabled and set_simd_max_level at run time; the AVX2 and AVX-512 tables agree."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,3 +63,66 @@ def test_simd_and_scalar_agree(dtype, rng):
         assert_close(res[mode][0], ref_o, dtype)
         assert_close(res[mode][1][0], ref_o, dtype)
         assert_close(res[mode][1][1], ref_w, dtype)
+
+
+def _child_isa(env):
+    code = ("import fastattn, numpy as np; "
+            "q = np.random.default_rng(0).standard_normal((2, 300, 64)).astype(np.float32); "
+            "o = fastattn.scaled_dot_product_attention(q, q, q, is_causal=True); "
+            "print(fastattn.simd_isa(), float(o.astype(np.float64).sum()).hex())")
+    proc = run_child(code, env_update=env, env_remove=("FASTATTN_DISABLE_SIMD", "FASTATTN_SIMD"),
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    isa, s = proc.stdout.split()
+    return isa, float.fromhex(s), proc.stderr
+
+
+def test_env_var_caps_the_isa():
+    isa, s, _ = _child_isa({})
+    assert isa == fastattn.simd_isa() and (isa != "None") == SIMD_CAPABLE
+    isa2, s2, _ = _child_isa({"FASTATTN_SIMD": "avx2"})
+    assert isa2 == ("avx2" if SIMD_CAPABLE else "None")
+    assert s2 == s   # the streaming kernel gives the same bits on both tables
+    isa3, _, err = _child_isa({"FASTATTN_SIMD": "sse9"})
+    assert isa3 == isa and "FASTATTN_SIMD: expected 'avx2' or 'avx512', got 'sse9'" in err
+    assert _child_isa({"FASTATTN_SIMD": "avx2", "FASTATTN_DISABLE_SIMD": "1"})[0] == "None"
+
+
+def test_isa_levels():
+    try:
+        top = fastattn.simd_isa()
+        _kernels.set_simd_max_level(1)
+        assert fastattn.simd_isa() == (None if top is None else "avx2")
+        _kernels.set_simd_max_level(2)
+        assert fastattn.simd_isa() == top
+        _kernels.set_simd_disabled(True)
+        assert fastattn.simd_isa() is None and _kernels.simd_level() == 0
+    finally:
+        _restore_simd()
+
+
+# The AVX2 and AVX-512 tables: the packed products are FMA chains over the
+# inner dimension in the same order, the exp rows and the backward's
+# elementwise steps round alike and sum in the same order: the streaming
+# forward, its lse and the backward are the same bits on both.
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 300, 700, 64, 48), (1, 37, 900, 24, 40), (3, 520, 530, 16, 80)],
+                         ids=["300x700", "37x900", "520x530"])
+def test_avx2_and_avx512_tables_agree_bitwise(dtype, causal, shape, rng):
+    B, Lq, Lk, d, dv = shape
+    q, k = randn(rng, (B, Lq, d), dtype), randn(rng, (B, Lk, d), dtype)
+    v, g = randn(rng, (B, Lk, dv), dtype), randn(rng, (B, Lq, dv), dtype)
+    m = rng.random((Lq, Lk)) < 0.9
+    res = {}
+    try:
+        for level in (1, 2):
+            _kernels.set_simd_max_level(level)
+            o, lse = fastattn.scaled_dot_product_attention(q, k, v, m, causal, return_lse=True)
+            res[level] = (o, lse) + tuple(fastattn.functional.sdpa_backward(g, q, k, v, o, lse, m, causal))
+    finally:
+        _restore_simd()
+    for a, b in zip(res[1][:5], res[2][:5]):
+        np.testing.assert_array_equal(a, b)
+    ref = oracle(q, k, v, m, causal)
+    assert_close(res[2][0], ref, dtype)
