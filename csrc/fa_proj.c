@@ -342,30 +342,140 @@ typedef void (*pk_fn)(int64_t, const float *, int64_t, const float *, float *, i
                       const float *, int, int);
 static const pk_fn pk_rows[7] = {NULL, pk_1, pk_2, pk_3, pk_4, pk_5, pk_6};
 
+/* ---- The same products two panels at a time with 512-bit vectors ----
+ * (AVX512F CPUs): R rows x 32 columns, one vector of each panel a row, 2R
+ * accumulators per feature set as pk_R has; the features split into the same
+ * U sets (U = 4 for one row, 2 for two and three, 1 from four rows) and
+ * summed in the same order, so every output is the same float as pk_R's.
+ * The second panel is always whole in memory (panels are zero padded);
+ * rem (17..32) columns are stored. */
+#define AVX512P __attribute__((target("avx512f,avx2,fma")))
+
+static AVX512P inline __mmask16 pk_mask16(int cnt)
+{
+    return cnt >= 16 ? (__mmask16)0xFFFF : cnt <= 0 ? (__mmask16)0 : (__mmask16)((1u << cnt) - 1u);
+}
+
+#define PKZ_KERNEL(R, U)                                                                   \
+static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float *bp,      \
+                            int64_t pstride, float *y, int64_t ldy, const float *bias,     \
+                            int first, int rem)                                            \
+{                                                                                          \
+    __m512 a[U][R][2];                                                                     \
+    const __mmask16 m0 = pk_mask16(rem), m1 = pk_mask16(rem - 16);                         \
+    const float *bq = bp + pstride;                                                        \
+    _Pragma("GCC unroll 6")                                                                \
+    for (int r = 0; r < R; r++) {                                                          \
+        const float *src = first ? bias : y + r * ldy;                                     \
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0;                                          \
+        if (src) {                                                                         \
+            b0 = _mm512_maskz_loadu_ps(m0, src);                                           \
+            b1 = _mm512_maskz_loadu_ps(m1, src + 16);                                      \
+        }                                                                                  \
+        a[0][r][0] = b0; a[0][r][1] = b1;                                                  \
+        _Pragma("GCC unroll 4")                                                            \
+        for (int u = 1; u < U; u++)                                                        \
+            a[u][r][0] = a[u][r][1] = _mm512_setzero_ps();                                 \
+    }                                                                                      \
+    int64_t p = 0;                                                                         \
+    for (; p + U <= kc; p += U) {                                                          \
+        _Pragma("GCC unroll 4")                                                            \
+        for (int u = 0; u < U; u++) {                                                      \
+            const __m512 v0 = _mm512_loadu_ps(bp + (p + u) * 16);                          \
+            const __m512 v1 = _mm512_loadu_ps(bq + (p + u) * 16);                          \
+            _Pragma("GCC unroll 6")                                                        \
+            for (int r = 0; r < R; r++) {                                                  \
+                const __m512 xv = _mm512_set1_ps(x[r * ldx + p + u]);                      \
+                a[u][r][0] = _mm512_fmadd_ps(xv, v0, a[u][r][0]);                          \
+                a[u][r][1] = _mm512_fmadd_ps(xv, v1, a[u][r][1]);                          \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    for (; p < kc; p++) {                                                                  \
+        const __m512 v0 = _mm512_loadu_ps(bp + p * 16), v1 = _mm512_loadu_ps(bq + p * 16); \
+        _Pragma("GCC unroll 6")                                                            \
+        for (int r = 0; r < R; r++) {                                                      \
+            const __m512 xv = _mm512_set1_ps(x[r * ldx + p]);                              \
+            a[0][r][0] = _mm512_fmadd_ps(xv, v0, a[0][r][0]);                              \
+            a[0][r][1] = _mm512_fmadd_ps(xv, v1, a[0][r][1]);                              \
+        }                                                                                  \
+    }                                                                                      \
+    _Pragma("GCC unroll 6")                                                                \
+    for (int r = 0; r < R; r++) {                                                          \
+        float *yr = y + r * ldy;                                                           \
+        __m512 s0, s1;                                                                     \
+        if (U == 4) {   /* pk_1's order: (a + b) + (c + d) */                              \
+            s0 = _mm512_add_ps(_mm512_add_ps(a[0][r][0], a[1 % U][r][0]),                  \
+                               _mm512_add_ps(a[2 % U][r][0], a[3 % U][r][0]));             \
+            s1 = _mm512_add_ps(_mm512_add_ps(a[0][r][1], a[1 % U][r][1]),                  \
+                               _mm512_add_ps(a[2 % U][r][1], a[3 % U][r][1]));             \
+        } else {                                                                           \
+            s0 = a[0][r][0]; s1 = a[0][r][1];                                              \
+            _Pragma("GCC unroll 2")                                                        \
+            for (int u = 1; u < U; u++) {                                                  \
+                s0 = _mm512_add_ps(s0, a[u][r][0]);                                        \
+                s1 = _mm512_add_ps(s1, a[u][r][1]);                                        \
+            }                                                                              \
+        }                                                                                  \
+        _mm512_mask_storeu_ps(yr, m0, s0);                                                 \
+        _mm512_mask_storeu_ps(yr + 16, m1, s1);                                            \
+    }                                                                                      \
+}
+PKZ_KERNEL(1, 4)
+PKZ_KERNEL(2, 2)
+PKZ_KERNEL(3, 2)
+PKZ_KERNEL(4, 1)
+PKZ_KERNEL(5, 1)
+PKZ_KERNEL(6, 1)
+#undef PKZ_KERNEL
+
+typedef void (*pkz_fn)(int64_t, const float *, int64_t, const float *, int64_t, float *,
+                       int64_t, const float *, int, int);
+static const pkz_fn pkz_rows[7] = {NULL, pkz_1, pkz_2, pkz_3, pkz_4, pkz_5, pkz_6};
+
+static int cpu_has_avx512f(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f") != 0;
+    }
+    return cached;
+}
+
 /* Cache blocking inside one call (see fa_proj_packed_f32). */
 static int64_t g_pk_kc = FA_PROJ_PACKED_KC;
 static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                            const float *wp, const float *b, float *y, int64_t ldy)
+                            const float *wp, const float *b, float *y, int64_t ldy, int wide)
 {
     const int64_t KC = g_pk_kc > 0 ? g_pk_kc : k, MC = g_pk_mc > 0 ? g_pk_mc : m;
+    wide = wide && cpu_has_avx512f();
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t i1 = i0 + MC < m ? i0 + MC : m;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            for (int64_t j = 0; j < n; j += 16) {
+            for (int64_t j = 0; j < n;) {
                 const float *bp = wp + j * k + k0 * 16;
-                const int rem = n - j < 16 ? (int)(n - j) : 16;
+                /* two panels at once with AVX-512 while two are left */
+                const int two = wide && n - j > 16;
+                const int64_t step = two ? 32 : 16;
+                const int rem = n - j < step ? (int)(n - j) : (int)step;
                 for (int64_t i = i0; i < i1;) {
                     /* 6-row blocks; 7 or 8 rows left go as two (4 + 3, 4 + 4), not
                      * 6 + a latency-bound 1 or 2 */
                     const int64_t left = i1 - i;
                     const int r = left >= 9 || left == 6 ? 6 : left > 6 ? 4 : (int)left;
-                    pk_rows[r](kc, x + i * ldx + k0, ldx, bp, y + i * ldy + j, ldy,
-                               b ? b + j : NULL, k0 == 0, rem);
+                    if (two)
+                        pkz_rows[r](kc, x + i * ldx + k0, ldx, bp, 16 * k, y + i * ldy + j, ldy,
+                                    b ? b + j : NULL, k0 == 0, rem);
+                    else
+                        pk_rows[r](kc, x + i * ldx + k0, ldx, bp, y + i * ldy + j, ldy,
+                                   b ? b + j : NULL, k0 == 0, rem);
                     i += r;
                 }
+                j += step;
             }
         }
     }
@@ -493,15 +603,17 @@ void fa_proj_packed_tune(int64_t kc, int64_t mc)
 }
 
 int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                       const float *wp, int64_t c0, const float *b, float *y, int64_t ldy)
+                       const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
+                       int wide)
 {
 #ifdef FA_PROJ_AVX2
     if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || !fa_proj_packed_available())
         return FA_PROJ_EINVAL;
-    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy);
+    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide);
     return 0;
 #else
     (void)m; (void)n; (void)k; (void)x; (void)ldx; (void)wp; (void)c0; (void)b; (void)y; (void)ldy;
+    (void)wide;
     return FA_PROJ_EINVAL;
 #endif
 }

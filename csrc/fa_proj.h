@@ -52,10 +52,12 @@ int fa_proj_packed_available(void);
 /* Columns [c0, c0 + n) of y = x . w^T (+ b) from w's packed form wp (of the
  * whole k): y[i, j] = sum_p x[i, p] * w[c0 + j, p] + b[c0 + j], i < m, j < n;
  * c0 a multiple of FA_PROJ_PANEL; b (NULL: none) and y point at column c0.
- * y must not overlap x, wp, b.  Returns 0, or FA_PROJ_EINVAL (not available,
- * an empty size, a misaligned c0). */
+ * y must not overlap x, wp, b.  wide != 0 lets an AVX512F CPU take two panels
+ * at a time in 512-bit vectors (the same floats).  Returns 0, or
+ * FA_PROJ_EINVAL (not available, an empty size, a misaligned c0). */
 int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                       const float *wp, int64_t c0, const float *b, float *y, int64_t ldy);
+                       const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
+                       int wide);
 
 /* Cache blocking of fa_proj_packed_f32: k in chunks of kc, rows in chunks of
  * mc (0: no split); fa_proj_packed_tune changes them (tuning sweeps).  Measured

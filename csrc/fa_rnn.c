@@ -288,7 +288,7 @@ int fa_rnn_f32(const fa_rnn_args *a, int64_t b0, int64_t b1, float *G)
     char tt = 'T', tn = 'N';
 #define PRODUCT_F32(m)                                                                        \
     if (packed) {                                                                             \
-        if (fa_proj_packed_f32((m), GH, H, h, H, a->wpack, 0, bhh, G, GH))                    \
+        if (fa_proj_packed_f32((m), GH, H, h, H, a->wpack, 0, bhh, G, GH, a->simd >= 2))      \
             status = FA_RNN_EINVAL;                                                           \
     } else if (small) {                                                                       \
         fa_proj_small_f32((m), GH, H, h, H, whh, a->ldw, bhh, G, GH);                        \

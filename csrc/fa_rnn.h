@@ -38,7 +38,7 @@
 
 typedef struct {
     int cell;                     /* FA_RNN_* */
-    int simd;                     /* 1: the AVX2/FMA code may run (the caller's dispatch) */
+    int simd;                     /* the caller's SIMD level: 0 none, 1 AVX2/FMA, 2 also AVX-512 */
     int64_t B, T, H;              /* all >= 1 */
     const void *xw;               /* xw[b, t, g] at xw + b * xw_bs + t * xw_ts + g, g < G*H */
     int64_t xw_bs, xw_ts;
@@ -145,7 +145,7 @@ int fa_rnn_f64(const fa_rnn_args *a, int64_t b0, int64_t b1, double *scratch);
  * left, after one fa_rnn_bwd_cstate_* (LSTM: the cell states of every step). */
 typedef struct {
     int cell;                     /* FA_RNN_* */
-    int simd;                     /* 1: the AVX2/FMA code may run */
+    int simd;                     /* SIMD level: 0 none, 1 AVX2/FMA, 2 also AVX-512 */
     int64_t B, T, H;              /* all >= 1 */
     const void *xw;               /* xw[b, t, g] at xw + b * xw_bs + t * xw_ts + g */
     int64_t xw_bs, xw_ts;

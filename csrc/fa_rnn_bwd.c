@@ -457,7 +457,7 @@ int fa_rnn_bwd_f32(const fa_rnn_bwd_args *a, int64_t b0, int64_t b1, int64_t s0,
     char tn = 'N';
 #define PRODUCT_F32(x, ldx)                                                                   \
     if (a->wpack) {                                                                           \
-        if (fa_proj_packed_f32(m, H, GH, (x), (ldx), a->wpack, 0, NULL, P, H))                \
+        if (fa_proj_packed_f32(m, H, GH, (x), (ldx), a->wpack, 0, NULL, P, H, a->simd >= 2))  \
             status = FA_RNN_EINVAL;                                                           \
     } else {                                                                                  \
         int ld_ = (int)(ldx);                                                                 \

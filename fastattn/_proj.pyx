@@ -52,7 +52,7 @@ from scipy.linalg.cython_blas cimport sgemm, dgemm
 from fastattn._interrupt cimport (interrupt_arm, interrupt_raise, interrupt_state, stop_fn,
                                   thread_ident)
 from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release, task_fn,
-                                runtime_run, runtime_set, runtime_simd)
+                                runtime_level, runtime_run, runtime_set, runtime_simd)
 
 cnp.import_array()
 
@@ -78,7 +78,8 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_packed_available()
     void fa_proj_packed_tune(int64_t kc, int64_t mc)
     int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                           const float *wp, int64_t c0, const float *b, float *y, int64_t ldy)
+                           const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
+                           int wide)
     int FA_PROJ_PANEL
     int FA_PROJ_PACKED_KC
     int FA_PROJ_PACKED_MC
@@ -203,6 +204,7 @@ ctypedef struct lin_ctx:
     int small                 # use fa_proj_small_f32
     char *wp                  # the packed weights (fa_proj_pack_f32), or NULL
     int packed                # use fa_proj_packed_f32 on wp
+    int wide                  # ... with its AVX-512 kernels (fastattn's SIMD level 2)
     int status                # first non-zero status of fa_proj_small_f32 (0: all ran)
 
 
@@ -297,7 +299,7 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     if c.packed:
         rc = fa_proj_packed_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
                                 <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
-                                <float *>y, c.ldy)
+                                <float *>y, c.ldy, c.wide)
         if rc != 0:
             fa_store_status(&c.status, rc)
         return
@@ -484,6 +486,7 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
                 and fa_proj_packed_available() != 0)
     c.small = (not c.packed and c.f32 and c.mb <= g_small_m and runtime_simd(&g_rt)
                and fa_proj_small_available() != 0)
+    c.wide = runtime_level(&g_rt) >= 2
     c.status = 0
     cdef int64_t t
     cdef interrupt_state intr

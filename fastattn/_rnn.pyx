@@ -29,7 +29,7 @@ from libc.string cimport memcpy
 from fastattn._interrupt cimport (interrupt_arm, interrupt_raise, interrupt_state, interrupt_stop,
                                   thread_ident)
 from fastattn._runtime cimport (fa_store_status, runtime, runtime_hold, runtime_release,
-                                runtime_run, runtime_set, runtime_simd)
+                                runtime_level, runtime_run, runtime_set, runtime_simd)
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 
 cnp.import_array()
@@ -336,7 +336,7 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     cdef cnp.ndarray scratch
     s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
     s.a.cell = cell
-    s.a.simd = runtime_simd(&g_rt)
+    s.a.simd = runtime_level(&g_rt)
     s.a.B = B
     s.a.T = T
     s.a.H = H
@@ -518,7 +518,7 @@ def cell(int cell, cnp.ndarray x, cnp.ndarray wih, object bih, cnp.ndarray whh, 
     cdef cnp.ndarray scratch
     s.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
     s.a.cell = cell
-    s.a.simd = runtime_simd(&g_rt)
+    s.a.simd = runtime_level(&g_rt)
     s.a.B = B
     s.a.H = H
     s.a.nin = nin
@@ -650,7 +650,7 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
     s.item = item
     s.a.cell = cell
-    s.a.simd = runtime_simd(&g_rt)
+    s.a.simd = runtime_level(&g_rt)
     s.a.B = B
     s.a.T = T
     s.a.H = H

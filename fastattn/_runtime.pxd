@@ -5,7 +5,7 @@ struct a module keeps them in, and inline helpers over it.
 
 Each extension keeps its own ``runtime`` (a module global, all NULL until
 then), filled by its own ``set_runtime`` from the C addresses fastattn hands
-out once (fa_pool_run, fa_blas_threads_enter / _exit, fa_simd_active; see
+out once (fa_pool_run, fa_blas_threads_enter / _exit, fa_simd_level; see
 csrc/fastattn.h), so all of them share one pool and one BLAS counter.
 """
 from libc.stdint cimport int64_t, uintptr_t
@@ -25,7 +25,7 @@ cdef struct runtime:
     pool_run_fn pool_run        # NULL: no pool (and then no BLAS hold either)
     hold_enter_fn hold_enter
     hold_exit_fn hold_exit
-    simd_active_fn simd_active  # NULL: the AVX2 code is not used
+    simd_active_fn simd_active  # fa_simd_level (0 off, 1 AVX2, 2 AVX-512); NULL: no SIMD code
 
 
 cdef inline void runtime_set(runtime *rt, uintptr_t pool_run, uintptr_t hold_enter,
@@ -45,6 +45,12 @@ cdef inline void runtime_set(runtime *rt, uintptr_t pool_run, uintptr_t hold_ent
 cdef inline bint runtime_simd(const runtime *rt) noexcept nogil:
     """True when fastattn's AVX2 dispatch is installed and on (FASTATTN_DISABLE_SIMD)."""
     return rt.simd_active != NULL and rt.simd_active() != 0
+
+
+cdef inline int runtime_level(const runtime *rt) noexcept nogil:
+    """fastattn's SIMD level (fa_simd_level: 0 off, 1 AVX2, 2 AVX-512); 0 when
+    not installed."""
+    return rt.simd_active() if rt.simd_active != NULL else 0
 
 
 cdef inline void *runtime_hold(const runtime *rt) noexcept nogil:

@@ -191,12 +191,12 @@ def install_runtime(set_runtime, *, simd=True) -> bool:
 def kernel_runtime_addresses(simd=True):
     """C addresses of fastattn._kernels' worker pool (``fa_pool_run``), BLAS hold
     (``fa_blas_threads_enter`` / ``_exit``) and, with ``simd``, its SIMD switch
-    (``fa_simd_active``), for the other extensions' ``set_runtime`` (so that the
+    (``fa_simd_level``: 0 off, 1 AVX2, 2 AVX-512), for the other extensions' ``set_runtime`` (so that the
     process has one pool and one BLAS thread count); None when the symbols are
     not exported on this platform."""
     names = ("fa_pool_run", "fa_blas_threads_enter", "fa_blas_threads_exit")
     if simd:
-        names += ("fa_simd_active",)
+        names += ("fa_simd_level",)
     try:
         lib = ctypes.CDLL(_kernels.__file__)
         return [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]

@@ -126,3 +126,29 @@ def test_avx2_and_avx512_tables_agree_bitwise(dtype, causal, shape, rng):
         np.testing.assert_array_equal(a, b)
     ref = oracle(q, k, v, m, causal)
     assert_close(res[2][0], ref, dtype)
+
+
+def test_avx2_and_avx512_projections_agree_bitwise(rng):
+    """fa_proj.c's packed products (linear, the RNN recurrences and their
+    backward): two panels a time in 512-bit vectors, the same floats."""
+    F = fastattn.functional
+    x = randn(rng, (4, 37, 200), np.float32)
+    w, b = randn(rng, (216, 200), np.float32, 0.1), randn(rng, (216,), np.float32)
+    whh, bhh = randn(rng, (216, 72), np.float32, 0.1), randn(rng, (216,), np.float32)
+    h0 = randn(rng, (4, 72), np.float32)
+    g = randn(rng, (4, 37, 72), np.float32)
+    res = {}
+    try:
+        for level in (1, 2):
+            _kernels.set_simd_max_level(level)
+            xw = F.linear(x, w, b)
+            few = F.linear(x[:, :3], w[:50], b[:50])   # a partial last panel pair
+            out, *_, gates = F.rnn_scan(xw, whh, bhh, h0, cell="gru", return_gates=True)
+            grads = F.rnn_scan_backward(g, None, xw, whh, bhh, h0, out, cell="gru", gates=gates)
+            res[level] = [xw, few, out] + [a for a in grads if a is not None]
+    finally:
+        _restore_simd()
+    for a, b_ in zip(res[1], res[2]):
+        np.testing.assert_array_equal(a, b_)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    assert_close(res[2][0], ref, np.float32)
