@@ -168,8 +168,8 @@ class Layer:
 
     _params: dict
     _config: dict
-    # gradients (a later issue): ``_grads``, a {name: ndarray} beside ``_params``
-    # with the same names; the walks below will name them alike
+    #: training mode (dropout and other train-only behaviour); :meth:`train` / :meth:`eval`
+    training = True
 
     #: load_state_dict casts integer arrays to the parameters' dtype (False: refused
     #: with TypeError, as MultiHeadAttention does)
@@ -204,6 +204,55 @@ class Layer:
         for prefix, layer in self._walk():
             for name, a in layer._params.items():
                 yield prefix + name, a
+
+    # ------------------------------------------------------------- gradients
+    @property
+    def grads(self) -> dict:
+        """``{name: ndarray}`` of this layer's own gradients, the names of
+        :meth:`parameters` (the live accumulators, zeros until a backward adds
+        into them; allocated on first use, in each parameter's dtype and shape)."""
+        g = self.__dict__.get("_grads")
+        if g is None or g.keys() != self._params.keys() or any(
+                g[n].shape != a.shape or g[n].dtype != a.dtype for n, a in self._params.items()):
+            old = g or {}
+            g = {n: old[n] if n in old and old[n].shape == a.shape and old[n].dtype == a.dtype
+                 else np.zeros(a.shape, a.dtype) for n, a in self._params.items()}
+            self._grads = g
+        return g
+
+    def named_grads(self):
+        """``(dotted name, gradient)`` pairs in :meth:`named_parameters` order and
+        with its names (the live accumulators)."""
+        for prefix, layer in self._walk():
+            for name, a in layer.grads.items():
+                yield prefix + name, a
+
+    def zero_grad(self):
+        """Set every gradient of this layer and its children to zero (in place).
+        Returns ``self``."""
+        for _, layer in self._walk():
+            for a in layer.grads.values():
+                a[...] = 0
+        return self
+
+    def train(self, mode=True):
+        """Training mode (``mode=True``) or inference mode for this layer and its
+        children (dropout is active only in training).  Returns ``self``."""
+        check_bool(mode, "mode")
+        for _, layer in self._walk():
+            layer.training = bool(mode)
+        return self
+
+    def eval(self):
+        """``train(False)``."""
+        return self.train(False)
+
+    def forward_backward(self, *inputs, **kwargs):
+        """``(out, backprop)``: the forward result and a function that takes the
+        gradient of the output, adds the parameter gradients into :attr:`grads`
+        (of this layer and its children) and returns the gradients of the
+        float inputs.  Layers that support training override this."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward_backward yet")
 
     def state_dict(self) -> dict:
         """A new ``{dotted name: ndarray}`` dict of writeable, C-contiguous copies
