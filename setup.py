@@ -2,9 +2,9 @@
 
 BLAS is not linked: the kernels call the gemm that scipy.linalg.cython_blas
 exports, so SciPy's .pxd files are read at build time.  Threads are POSIX
-threads (csrc/fa_pool.c explains why not OpenMP).  AVX2/FMA code is compiled
-per function (target attributes) and selected at run time, so the baseline
-stays portable.
+threads (csrc/fa_pool.c explains why not OpenMP).  AVX2/FMA and AVX-512 code
+is compiled per function (target attributes) and selected at run time, so the
+baseline stays portable.
 """
 import glob
 import os

@@ -156,7 +156,8 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
                   + ("; blocks small enough to skip BLAS" if no_blas else ""))
     elif no_blas:
         reason = (f"streaming softmax over tiles of {bk} keys; products by packed "
-                  "register-blocked kernels (no BLAS)")
+                  f"register-blocked kernels ({'AVX-512' if _kernels.simd_level() >= 2 else 'AVX2'}, "
+                  "no BLAS)")
     else:
         reason = (f"SIMD off and Lk={Lk} > {SINGLE_PASS_MAX_KEYS}: streaming softmax over "
                   f"tiles of {bk} keys, BLAS products")
@@ -560,7 +561,8 @@ def explain_backward(query, key, value, attn_mask=None, is_causal=False, scale=N
     ntasks = nb * ng
     reason = (f"scores recomputed from lse in {bq} x {bk} tiles; {ng} key group(s) a batch item "
               f"(at least {BWD_MIN_TASKS} tasks, from the shapes only: the same bits for any "
-              f"thread count); " + ("packed products, as the forward's streaming path"
+              f"thread count); " + (f"packed products ({'AVX-512' if _kernels.simd_level() >= 2 else 'AVX2'}), "
+                                    "as the forward's streaming path"
                                     if own else "BLAS products, as the forward without SIMD"))
     if nt < p.n_threads:
         reason += f"; {nt} thread(s): small problem"

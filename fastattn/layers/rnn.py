@@ -98,6 +98,21 @@ class Embedding(Layer):
         """``weight[ids]``: ids an integer array of any shape → ``ids.shape + (E,)``."""
         return F.embedding(ids, self._params["weight"], padding_idx=self._config["padding_idx"])
 
+    def forward_backward(self, ids):
+        """``(out, backprop)``: ``backprop(grad_out)`` adds the lookup's gradient
+        (rows summed per id, none for ``padding_idx``) into ``grads["weight"]``
+        and returns ``(None,)`` (ids have no gradient)."""
+        ids = np.array(ids, copy=True) if isinstance(ids, np.ndarray) else ids
+        out = self.forward(ids)
+        w = self._params["weight"]
+
+        def backprop(grad_out):
+            dw = F.embedding_backward(grad_out, ids, w.shape[0],
+                                      padding_idx=self._config["padding_idx"], dtype=w.dtype)
+            self.grads["weight"] += dw
+            return (None,)
+        return out, backprop
+
     @classmethod
     def from_torch(cls, module_or_state_dict, *, dtype=None):
         """From ``torch.nn.Embedding`` or its state dict (``weight``)."""
@@ -135,6 +150,22 @@ class Linear(Layer):
         """``x (..., in)`` → ``(..., out)``."""
         x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
         return F.linear(x, self._params["weight"], self._params.get("bias"))
+
+    def forward_backward(self, x):
+        """``(out, backprop)``: ``backprop(grad_out)`` adds ``dweight`` (and
+        ``dbias``) into :attr:`grads` and returns ``(dx,)``."""
+        x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
+        w, b = self._params["weight"], self._params.get("bias")
+        out = F.linear(x, w, b)
+
+        def backprop(grad_out):
+            dx, dw, db = F.linear_backward(grad_out, x, w, b)
+            g = self.grads
+            g["weight"] += dw
+            if b is not None:
+                g["bias"] += db
+            return (dx,)
+        return out, backprop
 
     @classmethod
     def from_torch(cls, module_or_state_dict, *, dtype=None):

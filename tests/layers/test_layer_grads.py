@@ -1,0 +1,120 @@
+"""The Layer base's gradient store (grads, named_grads, zero_grad, train/eval)
+and forward_backward of Linear and Embedding, against torch autograd (float64)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn.layers import Embedding, Linear, RNNEncoder
+from support import randn
+
+torch = pytest.importorskip("torch")
+
+
+def test_grads_beside_the_parameters():
+    enc = RNNEncoder(11, 6, 5, seed=0)
+    names = [n for n, _ in enc.named_parameters()]
+    grads = dict(enc.named_grads())
+    assert list(grads) == names
+    for n, p in enc.named_parameters():
+        assert grads[n].shape == p.shape and grads[n].dtype == p.dtype and not grads[n].any()
+    # the live accumulators: the same arrays on every access
+    lin = Linear(3, 2, seed=1)
+    assert lin.grads["weight"] is lin.grads["weight"]
+    lin.grads["weight"][...] = 1.0
+    assert lin.zero_grad() is lin and not lin.grads["weight"].any()
+
+
+def test_load_state_dict_keeps_gradients_of_the_same_shape():
+    lin = Linear(3, 2, seed=1)
+    lin.grads["bias"][...] = 2.0
+    lin.load_state_dict(Linear(3, 2, seed=5).state_dict())
+    assert np.all(lin.grads["bias"] == 2.0)
+
+
+def test_train_eval_reach_children():
+    enc = RNNEncoder(11, 6, 5, seed=0)
+    assert enc.training and all(layer.training for _, layer in enc._walk())
+    assert enc.eval() is enc
+    assert not any(layer.training for _, layer in enc._walk())
+    enc.train()
+    assert all(layer.training for _, layer in enc._walk())
+    with pytest.raises(TypeError, match="^mode: expected a bool"):
+        enc.train(1)
+
+
+def test_forward_backward_missing_is_clear():
+    enc = RNNEncoder(11, 6, 5, seed=0)
+    with pytest.raises(NotImplementedError, match="^RNNEncoder has no forward_backward"):
+        enc.forward_backward(np.zeros((1, 2), np.int64))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_forward_backward_matches_torch(bias, rng):
+    lin = Linear(7, 5, bias=bias, seed=2, dtype=np.float64)
+    x = randn(rng, (3, 4, 7))[:, ::-1]          # non-contiguous
+    g = randn(rng, (3, 4, 5))
+    out, backprop = lin.forward_backward(x)
+    np.testing.assert_array_equal(out, lin(x))
+    (dx,) = backprop(g)
+    tl = torch.nn.Linear(7, 5, bias=bias, dtype=torch.float64)
+    with torch.no_grad():
+        tl.weight.copy_(torch.from_numpy(lin.parameters()["weight"]))
+        if bias:
+            tl.bias.copy_(torch.from_numpy(lin.parameters()["bias"]))
+    tx = torch.tensor(np.ascontiguousarray(x), requires_grad=True)
+    tl(tx).backward(torch.from_numpy(g))
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lin.grads["weight"], tl.weight.grad.numpy(), rtol=1e-12, atol=1e-13)
+    if bias:
+        np.testing.assert_allclose(lin.grads["bias"], tl.bias.grad.numpy(), rtol=1e-12, atol=1e-13)
+    # backprop adds: a second call doubles the accumulated gradients
+    w1 = lin.grads["weight"].copy()
+    backprop(g)
+    np.testing.assert_allclose(lin.grads["weight"], 2 * w1, rtol=1e-14)
+
+
+def test_linear_forward_backward_finite_differences(rng):
+    lin = Linear(4, 3, seed=3, dtype=np.float64)
+    x, g = randn(rng, (2, 4)), randn(rng, (2, 3))
+    _, backprop = lin.forward_backward(x)
+    (dx,) = backprop(g)
+    w = lin.parameters()["weight"]
+    eps = 1e-6
+    for idx in [(0, 0), (2, 3), (1, 2)]:
+        old = w[idx]
+        w[idx] = old + eps
+        up = float(np.sum(lin(x) * g))
+        w[idx] = old - eps
+        down = float(np.sum(lin(x) * g))
+        w[idx] = old
+        np.testing.assert_allclose(lin.grads["weight"][idx], (up - down) / (2 * eps), rtol=1e-7)
+    for idx in [(0, 1), (1, 3)]:
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        fd = (np.sum(lin(xp) * g) - np.sum(lin(xm) * g)) / (2 * eps)
+        np.testing.assert_allclose(dx[idx], fd, rtol=1e-7)
+
+
+def test_embedding_forward_backward_matches_torch(rng):
+    emb = Embedding(9, 4, padding_idx=2, seed=4, dtype=np.float64)
+    ids = np.array([[1, 2, 1, 8], [2, 0, 1, 5]])
+    g = randn(rng, (2, 4, 4))
+    out, backprop = emb.forward_backward(ids)
+    ids[0, 0] = 7                                 # changing ids afterwards changes nothing
+    assert backprop(g) == (None,)
+    te = torch.nn.Embedding(9, 4, padding_idx=2, dtype=torch.float64)
+    with torch.no_grad():
+        te.weight.copy_(torch.from_numpy(emb.weight))
+    te(torch.tensor([[1, 2, 1, 8], [2, 0, 1, 5]])).backward(torch.from_numpy(g))
+    np.testing.assert_allclose(emb.grads["weight"], te.weight.grad.numpy(), rtol=1e-13, atol=1e-15)
+    assert not emb.grads["weight"][2].any()
+
+
+def test_float32_gradients_stay_float32(rng):
+    lin = Linear(6, 3, seed=0)
+    _, backprop = lin.forward_backward(randn(rng, (5, 6), np.float32))
+    (dx,) = backprop(randn(rng, (5, 3), np.float32))
+    assert dx.dtype == np.float32 and lin.grads["weight"].dtype == np.float32
