@@ -397,6 +397,53 @@ class MultiHeadAttention(Layer):
             causal_alignment=causal_alignment, return_weights=return_weights,
             average_weights=average_weights, n_threads=n_threads, **self._weights())
 
+    # -------------------------------------------------------------- training
+    #: functional's gradient names -> this layer's parameter names (b_query,
+    #: b_key, b_value are the slices of in_proj_bias)
+    _GRAD_NAMES = {"w_qkv": "in_proj_weight", "b_qkv": "in_proj_bias",
+                   "w_query": "q_proj_weight", "w_key": "k_proj_weight",
+                   "w_value": "v_proj_weight", "w_out": "out_proj.weight",
+                   "b_out": "out_proj.bias"}
+
+    def forward_backward(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
+                         is_causal=False, causal_alignment="top_left", n_threads=None):
+        """``(out, backprop)`` for :meth:`__call__`'s arguments (no weights
+        returned).  ``backprop(grad_out)`` adds every weight's and bias's
+        gradient into :attr:`grads` and returns one gradient per input given:
+        ``(dx,)`` for self-attention (``key`` and ``value`` omitted: the sum
+        of the three roles), ``(dquery, dkey)`` when only ``key`` was given
+        (value defaults to it), else ``(dquery, dkey, dvalue)``.  The backward
+        recomputes the projections and the attention from the inputs (O(L)
+        memory); the inputs must not change before ``backprop`` is called."""
+        kw = dict(attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
+                  causal_alignment=causal_alignment, n_threads=n_threads)
+        out = self(query, key, value, **kw)
+        n_given = 1 if key is None and value is None else 2 if value is None else 3
+        q = query
+        k = query if key is None else key
+        v = k if value is None else value
+        weights = self._weights()
+
+        def backprop(grad_out):
+            dq, dk, dv, dw = functional.multi_head_attention_backward(
+                grad_out, q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                **kw, **weights)
+            g = self.grads
+            E, kvE = self.embed_dim, self.num_kv_heads * self.head_dim
+            bias_slices = {"b_query": slice(0, E), "b_key": slice(E, E + kvE),
+                           "b_value": slice(E + kvE, None)}
+            for name, a in dw.items():
+                if name in bias_slices:
+                    g["in_proj_bias"][bias_slices[name]] += a
+                else:
+                    g[self._GRAD_NAMES[name]] += a
+            if n_given == 1:
+                return (dq + dk + dv,)
+            if n_given == 2:
+                return (dq, dk + dv)
+            return (dq, dk, dv)
+        return out, backprop
+
     # --------------------------------------------------------------- loaders
     @classmethod
     def from_torch(cls, module_or_state_dict, *, num_heads=None, prefix="", dtype=None):
