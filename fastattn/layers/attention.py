@@ -112,6 +112,56 @@ class Attention(Layer):
         """``(B, Lq, out_dim)`` (or unbatched ``(Lq, out_dim)``); with
         ``return_weights`` also the weights ``(B, Lq, Lk)``.  ``key`` defaults to
         ``query``, ``value`` to ``key``."""
+        query, key, value, mask = self._inputs(query, key, value, attn_mask, key_mask)
+        q, k, v = self._proj(query, "Q"), self._proj(key, "K"), self._proj(value, "V")
+        return F.attention(q, k, v, self.similarity, params=self._sim_params(), attn_mask=mask,
+                           is_causal=is_causal, return_weights=return_weights,
+                           causal_alignment=causal_alignment, n_threads=n_threads)
+
+    def forward_backward(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
+                         is_causal=False, causal_alignment="top_left", n_threads=None):
+        """``(out, backprop)`` for :meth:`forward`'s arguments (no weights).
+        ``backprop(grad_out)`` adds the gradients of the projections and of the
+        similarity's parameters (``sim.*``) into :attr:`grads` and returns one
+        gradient per input given: ``(dquery,)`` when key and value default to
+        the query (the sum of the three roles), ``(dquery, dkey)`` when value
+        defaults to key, else ``(dquery, dkey, dvalue)``.  The forward keeps
+        the projected inputs, the output and its lse (O(L) beyond them); the
+        inputs must not change before ``backprop`` is called."""
+        n_given = 1 if key is None and value is None else 2 if value is None else 3
+        query, key, value, mask = self._inputs(query, key, value, attn_mask, key_mask)
+        q, k, v = self._proj(query, "Q"), self._proj(key, "K"), self._proj(value, "V")
+        sp = self._sim_params()
+        out, lse = F.attention(q, k, v, self.similarity, params=sp, attn_mask=mask,
+                               is_causal=is_causal, causal_alignment=causal_alignment,
+                               n_threads=n_threads, return_lse=True)
+        p = self._params
+
+        def backprop(grad_out):
+            dq, dk, dv, dsim = F.attention_backward(
+                grad_out, q, k, v, self.similarity, params=sp, out=out, lse=lse, attn_mask=mask,
+                is_causal=is_causal, causal_alignment=causal_alignment, n_threads=n_threads)
+            g = self.grads
+            dx = []
+            for name, x, d in (("Q", query, dq), ("K", key, dk), ("V", value, dv)):
+                b = p.get(f"b_{name}")
+                dxi, dw, db = F.linear_backward(d, x, p[f"W_{name}"], b, n_threads=n_threads)
+                g[f"W_{name}"] += dw
+                if b is not None:
+                    g[f"b_{name}"] += db
+                dx.append(dxi)
+            for name, d in (dsim or {}).items():
+                g[f"sim.{name}"] += d
+            if n_given == 1:
+                return (dx[0] + dx[1] + dx[2],)
+            if n_given == 2:
+                return (dx[0], dx[1] + dx[2])
+            return tuple(dx)
+        return out, backprop
+
+    def _inputs(self, query, key, value, attn_mask, key_mask):
+        """The validated ``(query, key, value, mask)`` of a call (key defaults to
+        the query, value to the key; the masks combined)."""
         c = self._dims
         query = as_float_input(query, "query", (2, 3), last=c["query_dim"])
         key = query if key is None else as_float_input(key, "key", (2, 3), last=c["key_dim"])
@@ -136,10 +186,7 @@ class Attention(Layer):
                 f"attn_mask: expected at most {query.ndim} dims, a shape broadcastable to "
                 f"{'(Lq, Lk)' if unbatched else '(B, Lq, Lk)'} = {want}, got shape {np.shape(attn_mask)}")
         mask = combine_masks(attn_mask, key_mask, B, query.shape[-2], key.shape[-2], unbatched)
-        q, k, v = self._proj(query, "Q"), self._proj(key, "K"), self._proj(value, "V")
-        return F.attention(q, k, v, self.similarity, params=self._sim_params(), attn_mask=mask,
-                           is_causal=is_causal, return_weights=return_weights,
-                           causal_alignment=causal_alignment, n_threads=n_threads)
+        return query, key, value, mask
 
 
 class SelfAttention(Attention):
@@ -166,3 +213,10 @@ class SelfAttention(Attention):
 
     def __call__(self, x, **kwargs):
         return self.forward(x, **kwargs)
+
+    def forward_backward(self, x, *, attn_mask=None, key_mask=None, n_threads=None):
+        """``(out, backprop)``; ``backprop(grad_out)`` returns ``(dx,)`` (see
+        :meth:`Attention.forward_backward`)."""
+        x = as_float_input(x, "x", (2, 3), last=self._dims["query_dim"])
+        return super().forward_backward(x, None, None, attn_mask=attn_mask, key_mask=key_mask,
+                                        is_causal=self.causal, n_threads=n_threads)

@@ -156,3 +156,61 @@ def test_mha_forward_backward_matches_torch(kind, rng):
     for name, p in t.named_parameters():
         np.testing.assert_allclose(dict(layer.named_grads())[name], p.grad.numpy(),
                                    rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def _fd_check(f, arrays, analytic, rng, n=6, eps=1e-6, rtol=1e-6, atol=1e-9):
+    """Central differences of the scalar f() at n random entries of each array
+    against the analytic gradients (same order)."""
+    for a, d in zip(arrays, analytic):
+        for _ in range(n):
+            idx = tuple(int(rng.integers(s)) for s in a.shape)
+            old = a[idx]
+            a[idx] = old + eps
+            up = f()
+            a[idx] = old - eps
+            down = f()
+            a[idx] = old
+            np.testing.assert_allclose(d[idx], (up - down) / (2 * eps), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("sim", ["dot", "scaled_dot", "general", "additive", "concat", "cosine"])
+def test_attention_forward_backward_finite_differences(sim, rng):
+    from fastattn.layers import Attention
+    layer = Attention(5, 4, 3, similarity=sim, embed_dim=6, out_dim=2, bias=True, seed=7,
+                      dtype=np.float64)
+    for name, a in layer.parameters().items():      # biases off zero: their gradients matter
+        if name.startswith("b_"):
+            a[...] = randn(rng, a.shape, scale=0.3)
+    x, kv, vv = randn(rng, (2, 3, 5)), randn(rng, (2, 4, 4)), randn(rng, (2, 4, 3))
+    pad = np.array([[True] * 4, [True, True, True, False]])
+    g = randn(rng, (2, 3, 2))
+    out, backprop = layer.forward_backward(x, kv, vv, key_mask=pad)
+    np.testing.assert_allclose(out, layer(x, kv, vv, key_mask=pad), rtol=1e-12, atol=1e-14)
+    dx, dk, dv = backprop(g)
+
+    def loss():
+        return float(np.sum(layer(x, kv, vv, key_mask=pad) * g))
+    names = list(layer.parameters())
+    _fd_check(loss, [layer.parameters()[n] for n in names] + [x, kv, vv],
+              [layer.grads[n] for n in names] + [dx, dk, dv], rng)
+    assert not dk[1, 3].any() and not dv[1, 3].any()   # the padded key gets nothing
+
+
+def test_self_attention_forward_backward_matches_torch(rng):
+    from fastattn.layers import SelfAttention
+    layer = SelfAttention(6, similarity="scaled_dot", causal=True, bias=True, seed=1,
+                          dtype=np.float64)
+    x, g = randn(rng, (2, 5, 6)), randn(rng, (2, 5, 6))
+    out, backprop = layer.forward_backward(x)
+    (dx,) = backprop(g)
+    P = {n: torch.tensor(a, requires_grad=True) for n, a in layer.parameters().items()}
+    tx = torch.tensor(x, requires_grad=True)
+    q = tx @ P["W_Q"].T + P["b_Q"]
+    k = tx @ P["W_K"].T + P["b_K"]
+    v = tx @ P["W_V"].T + P["b_V"]
+    tout = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    tout.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(out, tout.detach().numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    for n, t in P.items():
+        np.testing.assert_allclose(layer.grads[n], t.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=n)
