@@ -338,6 +338,122 @@ class _RNNBase(Layer):
         outputs = inp[0] if unbatched else inp
         return outputs, self._pack_state(hs, cs, unbatched)
 
+    def forward_backward(self, x, state=None, *, lengths=None):
+        """``((outputs, final_state), backprop)`` for :meth:`forward`'s arguments.
+
+        ``backprop(grad_outputs, grad_state=None)`` takes dL/d(outputs) (None:
+        unused) and dL/d(final_state) in its structure (``h_n``, LSTM ``(h_n,
+        c_n)``, either part None; None: unused), adds every weight's and
+        bias's gradient into :attr:`grads` and returns ``(dx, dstate)``:
+        dstate in the initial state's structure, None when no state was given.
+        Each layer and direction keeps its input projections, outputs and gates
+        for the backward (:func:`fastattn.functional.rnn_scan` with
+        ``return_gates``); the inputs must not change before ``backprop``.
+        """
+        x = as_float_input(x, "x", (2, 3), last=self.input_size)
+        unbatched = x.ndim == 2
+        xb = x[None] if unbatched else x
+        B, T, _ = xb.shape
+        ct = np.result_type(xb.dtype, self.dtype)
+        if lengths is not None:
+            if unbatched:
+                raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
+            lengths = _check_lengths(lengths, B, T)
+            if not np.any(lengths < T):
+                lengths = None
+        st = self._check_state(state, B, unbatched, ct)
+        h0 = st[0]
+        c0 = st[1] if self._mode == "LSTM" else None
+        cell, H, D = self._scan_cell(), self.hidden_size, self.num_directions
+        GH = _GATES[self._mode] * H
+        p = self._params
+        saved, hs, cs = [], [], []
+        inp = xb.astype(ct, copy=False)
+        for k in range(self.num_layers):
+            dirs = []
+            for d, sfx in enumerate(("", "_reverse")[:D]):
+                # the live parameters (no cached conversion: an optimizer updates them in place)
+                wih = np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"], dtype=ct)
+                whh = np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"], dtype=ct)
+                bih = p[f"bias_ih_l{k}{sfx}"].astype(ct, copy=False) if self.bias else np.zeros(GH, ct)
+                bhh = p[f"bias_hh_l{k}{sfx}"].astype(ct, copy=False) if self.bias else np.zeros(GH, ct)
+                idx = k * D + d
+                xw = F.linear(inp.reshape(B * T, inp.shape[-1]), wih, bih).reshape(B, T, GH)
+                o, h, c, gates = F.rnn_scan(xw, whh, bhh, h0[idx], cell=cell,
+                                            c0=None if c0 is None else c0[idx], lengths=lengths,
+                                            reverse=bool(d), return_gates=True)
+                saved.append((k, sfx, inp, xw, o, gates, wih, whh, bih, bhh))
+                dirs.append(o)
+                hs.append(h)
+                cs.append(c)
+            inp = dirs[0] if len(dirs) == 1 else np.concatenate(dirs, axis=-1)
+        outputs = inp[0] if unbatched else inp
+        final = self._pack_state(hs, cs, unbatched)
+        LD = self.num_layers * D
+
+        def state_grad(a, name):
+            if a is None:
+                return None
+            a = np.asarray(a)
+            want = (LD, H) if unbatched else (LD, B, H)
+            if a.shape != want:
+                raise ValueError(f"grad_state: expected {name} of shape {want}, got {a.shape}")
+            return (a[:, None, :] if unbatched else a).astype(ct, copy=False)
+
+        def backprop(grad_outputs, grad_state=None):
+            want = (T, D * H) if unbatched else (B, T, D * H)
+            if grad_outputs is None:
+                d_inp = np.zeros((B, T, D * H), ct)
+            else:
+                go = np.asarray(grad_outputs)
+                if go.shape != want:
+                    raise ValueError(f"grad_outputs: expected shape {want}, got {go.shape}")
+                d_inp = (go[None] if unbatched else go).astype(ct, copy=False)
+            if self._mode == "LSTM":
+                if grad_state is not None and (not isinstance(grad_state, (tuple, list))
+                                               or len(grad_state) != 2):
+                    raise TypeError("grad_state: expected (grad_h_n, grad_c_n) for LSTM, got "
+                                    f"{type(grad_state).__name__}")
+                gh_n, gc_n = (None, None) if grad_state is None else grad_state
+                gh_n, gc_n = state_grad(gh_n, "grad_h_n"), state_grad(gc_n, "grad_c_n")
+            else:
+                gh_n, gc_n = state_grad(grad_state, "grad_h_n"), None
+            dh0 = np.zeros((LD, B, H), ct)
+            dc0 = np.zeros((LD, B, H), ct) if self._mode == "LSTM" else None
+            g = self.grads
+            for k in reversed(range(self.num_layers)):
+                d_below = None
+                for d in range(D):
+                    idx = k * D + d
+                    _, sfx, inp_k, xw, o, gates, wih, whh, bih, bhh = saved[idx]
+                    dxw, dwhh, dbhh, dh0i, dc0i = F.rnn_scan_backward(
+                        d_inp[..., d * H:(d + 1) * H], None if gh_n is None else gh_n[idx],
+                        xw, whh, bhh, h0[idx], o, cell=cell,
+                        c0=None if c0 is None else c0[idx],
+                        grad_c_n=None if gc_n is None else gc_n[idx], lengths=lengths,
+                        reverse=bool(d), gates=gates)
+                    dinp, dwih, dbih = F.linear_backward(
+                        dxw.reshape(B * T, GH), inp_k.reshape(B * T, inp_k.shape[-1]), wih, bih)
+                    g[f"weight_ih_l{k}{sfx}"] += dwih
+                    g[f"weight_hh_l{k}{sfx}"] += dwhh
+                    if self.bias:
+                        g[f"bias_ih_l{k}{sfx}"] += dbih
+                        g[f"bias_hh_l{k}{sfx}"] += dbhh
+                    dh0[idx] = dh0i
+                    if dc0 is not None:
+                        dc0[idx] = dc0i
+                    dinp = dinp.reshape(B, T, inp_k.shape[-1])
+                    d_below = dinp if d_below is None else d_below + dinp
+                d_inp = d_below
+            dx = (d_inp[0] if unbatched else d_inp).astype(x.dtype, copy=False)
+            if state is None:
+                return dx, None
+            hs_ = dh0[:, 0] if unbatched else dh0
+            if self._mode != "LSTM":
+                return dx, hs_
+            return dx, (hs_, dc0[:, 0] if unbatched else dc0)
+        return (outputs, final), backprop
+
     def step(self, x, state=None):
         """One time step for a unidirectional layer: x (B, input_size) → (output (B, H), state)."""
         if self.bidirectional:
@@ -475,7 +591,8 @@ class RNNEncoder(Layer):
     def __call__(self, src, lengths=None, src_mask=None, state=None):
         return self.forward(src, lengths=lengths, src_mask=src_mask, state=state)
 
-    def forward(self, src, lengths=None, src_mask=None, state=None):
+    def _ids_lengths(self, src, lengths, src_mask):
+        """The validated ``(ids, lengths or None)`` of a call."""
         ids = np.asarray(src)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"src: expected an integer array of token ids, got dtype {ids.dtype}")
@@ -491,8 +608,31 @@ class RNNEncoder(Layer):
             lengths = from_mask
         if lengths is not None:
             lengths = _check_lengths(lengths, B, S)
+        return ids, lengths
+
+    def forward(self, src, lengths=None, src_mask=None, state=None):
+        ids, lengths = self._ids_lengths(src, lengths, src_mask)
+        B, S = ids.shape
         x = self.embedding(ids)
         out, final = self.rnn(x, state, lengths=lengths)
         mask = (np.ones((B, S), bool) if lengths is None
                 else np.arange(S)[None, :] < lengths[:, None])
         return out, final, mask
+
+    def forward_backward(self, src, lengths=None, src_mask=None, state=None):
+        """``((outputs, final_state, src_mask), backprop)``; ``backprop(grad_outputs,
+        grad_state=None)`` adds the embedding's and the RNN's gradients into
+        their :attr:`grads` and returns ``(None, dstate)`` (ids have no
+        gradient; dstate None when no state was given)."""
+        ids, lengths = self._ids_lengths(src, lengths, src_mask)
+        B, S = ids.shape
+        x, back_emb = self.embedding.forward_backward(ids)
+        (out, final), back_rnn = self.rnn.forward_backward(x, state, lengths=lengths)
+        mask = (np.ones((B, S), bool) if lengths is None
+                else np.arange(S)[None, :] < lengths[:, None])
+
+        def backprop(grad_outputs, grad_state=None):
+            dx, dstate = back_rnn(grad_outputs, grad_state)
+            back_emb(dx)
+            return None, dstate
+        return (out, final, mask), backprop

@@ -45,9 +45,13 @@ def test_train_eval_reach_children():
 
 
 def test_forward_backward_missing_is_clear():
-    enc = RNNEncoder(11, 6, 5, seed=0)
-    with pytest.raises(NotImplementedError, match="^RNNEncoder has no forward_backward"):
-        enc.forward_backward(np.zeros((1, 2), np.int64))
+    from fastattn.layers._base import Layer
+
+    class Bare(Layer):
+        def __init__(self):
+            self._params, self._config = {}, {}
+    with pytest.raises(NotImplementedError, match="^Bare has no forward_backward"):
+        Bare().forward_backward(np.zeros(3))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -214,3 +218,92 @@ def test_self_attention_forward_backward_matches_torch(rng):
     np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
     for n, t in P.items():
         np.testing.assert_allclose(layer.grads[n], t.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=n)
+
+
+def _torch_rnn(layer):
+    cls = {"GRU": torch.nn.GRU, "LSTM": torch.nn.LSTM, "RNN": torch.nn.RNN}[layer._mode]
+    kw = {"nonlinearity": layer._config.get("nonlinearity", "tanh")} if layer._mode == "RNN" else {}
+    t = cls(layer.input_size, layer.hidden_size, layer.num_layers, bias=layer.bias,
+            bidirectional=layer.bidirectional, batch_first=True, dtype=torch.float64, **kw)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            p.copy_(torch.from_numpy(layer.parameters()[name]))
+    return t
+
+
+@pytest.mark.parametrize("mode", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("shape", ["plain", "stacked_bidir_lengths", "state"])
+def test_rnn_forward_backward_matches_torch(mode, shape, rng):
+    from fastattn.layers import GRU, LSTM, SimpleRNN
+    cls = {"GRU": GRU, "LSTM": LSTM, "RNN": SimpleRNN}[mode]
+    nl, bi = (2, True) if shape == "stacked_bidir_lengths" else (1, False)
+    layer = cls(5, 4, nl, bidirectional=bi, seed=2, dtype=np.float64)
+    B, T, D = 3, 6, 2 if bi else 1
+    x = randn(rng, (B, T, 5))
+    lengths = np.array([6, 3, 4]) if shape == "stacked_bidir_lengths" else None
+    state = None
+    if shape == "state":
+        h0 = randn(rng, (nl * D, B, 4))
+        state = (h0, randn(rng, (nl * D, B, 4))) if mode == "LSTM" else h0
+    (out, final), backprop = layer.forward_backward(x, state, lengths=lengths)
+    ref_out, ref_final = layer(x, state, lengths=lengths)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-13, atol=1e-14)
+    go = randn(rng, out.shape)
+    gh = randn(rng, (nl * D, B, 4))
+    gstate = (gh, randn(rng, gh.shape)) if mode == "LSTM" else gh
+    dx, dstate = backprop(go, gstate)
+
+    t = _torch_rnn(layer)
+    tx = torch.tensor(x, requires_grad=True)
+    tstate = None
+    if state is not None:
+        tstate = tuple(torch.tensor(s, requires_grad=True) for s in state) if mode == "LSTM" \
+            else torch.tensor(state, requires_grad=True)
+    inp = tx
+    if lengths is not None:
+        inp = torch.nn.utils.rnn.pack_padded_sequence(tx, torch.tensor(lengths), batch_first=True,
+                                                      enforce_sorted=False)
+    tout, tfinal = t(inp, tstate)
+    if lengths is not None:
+        tout, _ = torch.nn.utils.rnn.pad_packed_sequence(tout, batch_first=True, total_length=T)
+    loss = (tout * torch.from_numpy(go)).sum()
+    tfinals = tfinal if mode == "LSTM" else (tfinal,)
+    gparts = gstate if mode == "LSTM" else (gstate,)
+    for tf, gp in zip(tfinals, gparts):
+        loss = loss + (tf * torch.from_numpy(gp)).sum()
+    loss.backward()
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-9, atol=1e-11)
+    for name, p in t.named_parameters():
+        np.testing.assert_allclose(layer.grads[name], p.grad.numpy(), rtol=1e-9, atol=1e-11,
+                                   err_msg=name)
+    if state is None:
+        assert dstate is None
+    else:
+        ds = dstate if mode == "LSTM" else (dstate,)
+        ts = tstate if mode == "LSTM" else (tstate,)
+        for a, ta in zip(ds, ts):
+            np.testing.assert_allclose(a, ta.grad.numpy(), rtol=1e-9, atol=1e-11)
+
+
+def test_rnn_encoder_forward_backward_matches_torch(rng):
+    enc = RNNEncoder(10, 4, 3, cell="lstm", bidirectional=True, padding_idx=0, seed=1,
+                     dtype=np.float64)
+    src = np.array([[3, 4, 5, 1], [2, 9, 0, 0]])
+    mask = np.array([[True] * 4, [True, True, False, False]])
+    (out, final, m), backprop = enc.forward_backward(src, src_mask=mask)
+    np.testing.assert_array_equal(m, mask)
+    go = randn(rng, out.shape)
+    assert backprop(go) == (None, None)
+    emb = torch.nn.Embedding(10, 4, padding_idx=0, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(enc.embedding.weight))
+    t = _torch_rnn(enc.rnn)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(emb(torch.tensor(src)), torch.tensor([4, 2]),
+                                                     batch_first=True, enforce_sorted=False)
+    tout, _ = t(packed)
+    tout, _ = torch.nn.utils.rnn.pad_packed_sequence(tout, batch_first=True, total_length=4)
+    (tout * torch.from_numpy(go)).sum().backward()
+    grads = dict(enc.named_grads())
+    np.testing.assert_allclose(grads["embedding.weight"], emb.weight.grad.numpy(), rtol=1e-9, atol=1e-11)
+    for name, p in t.named_parameters():
+        np.testing.assert_allclose(grads["rnn." + name], p.grad.numpy(), rtol=1e-9, atol=1e-11)
