@@ -16,13 +16,15 @@ in the output and in the weights, on every path.
 
 This module is the public facade: it implements nothing and re-exports each
 op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
-``_linear``, ``_embedding``, ``_recurrence``; see ``docs/architecture.md``).
+``_linear``, ``_embedding``, ``_recurrence``, ``_norm``; see ``docs/architecture.md``).
 """
 from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._linear import linear, linear_backward
 from ._merge import merge_attention
 from ._multihead import multi_head_attention, multi_head_attention_backward
+from ._norm import (dropout, dropout_backward, gelu, gelu_backward, layer_norm,
+                    layer_norm_backward, relu, relu_backward)
 from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
                     sdpa_backward)
@@ -54,4 +56,12 @@ __all__ = [
     "rnn_scan_backward",
     "rnn_cell",
     "rnn_cell_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "gelu",
+    "gelu_backward",
+    "relu",
+    "relu_backward",
+    "dropout",
+    "dropout_backward",
 ]

@@ -29,7 +29,8 @@ LAYERS = [
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
-    ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge"}),
+    ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge",
+             "fastattn._norm"}),
     ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity"}),
     ("registry", {"fastattn.registry"}),
     ("ops3", {"fastattn._attention"}),
@@ -38,7 +39,7 @@ LAYERS = [
     # stateful layers (pure Python, on the facade) and the testing helpers
     ("layers", {"fastattn.layers", "fastattn.layers._base", "fastattn.layers.rnn",
                 "fastattn.layers.attention", "fastattn.layers.multi_head",
-                "fastattn.layers.seq2seq", "fastattn.testing"}),
+                "fastattn.layers.seq2seq", "fastattn.layers.blocks", "fastattn.testing"}),
     ("package", {"fastattn"}),
     # tools on top of the public package
     ("tools", {"fastattn._bench", "fastattn.dask"}),

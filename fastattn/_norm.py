@@ -1,0 +1,189 @@
+"""Layer normalisation, activations and dropout, with their backward (NumPy).
+
+``layer_norm`` normalises over the last axis as ``torch.nn.functional.layer_norm``
+with ``normalized_shape = (E,)``: ``(x - mean) / sqrt(var + eps) * weight + bias``,
+the variance biased (divided by E).  The statistics and the backward's row sums
+are accumulated in float64 and the results rounded once to the compute dtype
+(float32 when x and the weights are float32 or float16, float64 otherwise), so a
+float32 result is no less accurate than torch's float32 kernel.
+
+``gelu`` is the exact (erf) form, torch's default ``approximate="none"``, or
+the tanh approximation with ``approximate="tanh"``; ``relu`` as torch's
+(gradient 0 at 0).  ``dropout`` draws its keep mask from a NumPy Generator
+(the caller's: seeded runs repeat), scales kept entries by ``1 / (1 - p)``.
+Inputs are never modified.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import special
+
+from ._validation import as_array, check_grad_array, describe
+
+__all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
+           "relu_backward", "dropout", "dropout_backward"]
+
+
+def _float_array(x, name):
+    a = as_array(x, name)
+    if a.dtype.kind == "c" or a.dtype.kind not in "fiub" or (a.dtype.kind == "f" and a.dtype.itemsize > 8):
+        raise TypeError(f"{name}: expected a real floating array, got dtype {a.dtype}")
+    return a
+
+
+def _compute_dtype(*arrays):
+    for a in arrays:
+        if a is not None and not (a.dtype.kind == "f" and a.dtype.itemsize <= 4):
+            return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def _check_eps(eps):
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"eps: expected a real number, got {describe(eps)}")
+    eps = float(eps)
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return eps
+
+
+def _ln_args(x, weight, bias, eps):
+    x = _float_array(x, "x")
+    if x.ndim < 1:
+        raise ValueError(f"x: expected an array with at least 1 dim (..., E), got shape {x.shape}")
+    E = x.shape[-1]
+    w = None if weight is None else _float_array(weight, "weight")
+    b = None if bias is None else _float_array(bias, "bias")
+    for name, a in (("weight", w), ("bias", b)):
+        if a is not None and a.shape != (E,):
+            raise ValueError(f"{name}: expected shape ({E},) (x's last dim), got {a.shape}")
+    return x, w, b, _check_eps(eps), _compute_dtype(x, w, b)
+
+
+def _stats(x64, eps):
+    mean = x64.mean(axis=-1, keepdims=True)
+    xc = x64 - mean
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    return xc, rstd
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis of
+    ``x (..., E)``; ``weight``, ``bias`` ``(E,)`` or None."""
+    x, w, b, eps, cdt = _ln_args(x, weight, bias, eps)
+    xc, rstd = _stats(x.astype(np.float64), eps)
+    y = xc * rstd
+    if w is not None:
+        y *= w.astype(np.float64)
+    if b is not None:
+        y += b.astype(np.float64)
+    return y.astype(cdt)
+
+
+def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5):
+    """Gradients of :func:`layer_norm`: ``(dx, dweight, dbias)`` (None for an
+    absent weight or bias), with ``x̂ = (x - mean) rstd`` and ``ĝ = grad_out
+    weight``::
+
+        dx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂))      (row means over E)
+        dweight = Σ grad_out x̂,   dbias = Σ grad_out  (over every leading dim)
+
+    each in its input's dtype (float inputs), computed in float64."""
+    x, w, b, eps, cdt = _ln_args(x, weight, bias, eps)
+    g = check_grad_array(grad_out, "grad_out", x.shape).astype(np.float64)
+    xc, rstd = _stats(x.astype(np.float64), eps)
+    xhat = xc * rstd
+    gh = g * w.astype(np.float64) if w is not None else g
+    dx = rstd * (gh - gh.mean(axis=-1, keepdims=True)
+                 - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
+    lead = tuple(range(x.ndim - 1))
+    dw = None if w is None else np.sum(g * xhat, axis=lead).astype(w.dtype if w.dtype.kind == "f" else cdt)
+    db = None if b is None else np.sum(g, axis=lead).astype(b.dtype if b.dtype.kind == "f" else cdt)
+    return dx.astype(x.dtype if x.dtype.kind == "f" else cdt), dw, db
+
+
+def _check_approximate(approximate):
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x, approximate="none"):
+    """``x Φ(x)`` (``approximate="none"``, torch's default) or
+    ``0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`` (``"tanh"``)."""
+    _check_approximate(approximate)
+    x = _float_array(x, "x")
+    cdt = _compute_dtype(x)
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        y = 0.5 * x64 * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)))
+    else:
+        y = 0.5 * x64 * (1.0 + special.erf(x64 / math.sqrt(2.0)))
+    return y.astype(cdt)
+
+
+def gelu_backward(grad_out, x, approximate="none"):
+    """dL/dx of :func:`gelu` (``x``'s dtype)."""
+    _check_approximate(approximate)
+    x = _float_array(x, "x")
+    g = check_grad_array(grad_out, "grad_out", x.shape).astype(np.float64)
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        u = _SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)
+        t = np.tanh(u)
+        d = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
+    else:
+        d = 0.5 * (1.0 + special.erf(x64 / math.sqrt(2.0))) + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+    return (g * d).astype(x.dtype if x.dtype.kind == "f" else _compute_dtype(x))
+
+
+def relu(x):
+    """``max(x, 0)``, NaN propagating (torch's)."""
+    x = _float_array(x, "x")
+    if x.dtype.kind != "f":
+        x = x.astype(np.float64)
+    return np.where((x > 0) | np.isnan(x), x, x.dtype.type(0))
+
+
+def relu_backward(grad_out, x):
+    """``grad_out`` where ``x > 0``, else 0 (torch's choice at 0)."""
+    x = _float_array(x, "x")
+    g = check_grad_array(grad_out, "grad_out", x.shape)
+    return np.where(x > 0, g, g.dtype.type(0))
+
+
+def _check_p(p):
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"p: expected a probability (a real number), got {describe(p)}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p: expected a probability in [0, 1), got {p!r}")
+    return p
+
+
+def dropout(x, p, *, rng):
+    """``(out, keep)``: ``out = x keep / (1 - p)``, ``keep`` a boolean mask drawn
+    from ``rng`` (a ``numpy.random.Generator``) with ``P(keep) = 1 - p``."""
+    p = _check_p(p)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator, got {describe(rng)}")
+    x = _float_array(x, "x")
+    keep = rng.random(x.shape) >= p
+    scale = 1.0 / (1.0 - p)
+    dt = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
+    return np.where(keep, x * dt.type(scale), dt.type(0)).astype(dt, copy=False), keep
+
+
+def dropout_backward(grad_out, keep, p):
+    """dL/dx of :func:`dropout`: ``grad_out keep / (1 - p)``."""
+    p = _check_p(p)
+    keep = np.asarray(keep)
+    if keep.dtype != np.bool_:
+        raise TypeError(f"keep: expected the boolean mask dropout returned, got dtype {keep.dtype}")
+    g = check_grad_array(grad_out, "grad_out", keep.shape)
+    return np.where(keep, g * g.dtype.type(1.0 / (1.0 - p)), g.dtype.type(0))
