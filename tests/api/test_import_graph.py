@@ -39,7 +39,8 @@ LAYERS = [
     # stateful layers (pure Python, on the facade) and the testing helpers
     ("layers", {"fastattn.layers", "fastattn.layers._base", "fastattn.layers.rnn",
                 "fastattn.layers.attention", "fastattn.layers.multi_head",
-                "fastattn.layers.seq2seq", "fastattn.layers.blocks", "fastattn.testing"}),
+                "fastattn.layers.seq2seq", "fastattn.layers.blocks",
+                "fastattn.layers.transformer", "fastattn.testing"}),
     ("package", {"fastattn"}),
     # tools on top of the public package
     ("tools", {"fastattn._bench", "fastattn.dask"}),

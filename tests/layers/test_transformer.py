@@ -1,0 +1,82 @@
+"""TransformerEncoderLayer / TransformerEncoder against torch's (batch_first=True),
+float64: outputs and every gradient, post-norm and norm_first, key padding,
+causal, relu and gelu."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastattn.layers import TransformerEncoder, TransformerEncoderLayer
+from support import randn
+
+torch = pytest.importorskip("torch")
+
+
+def _torch_layer(norm_first, activation, bias=True):
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation=activation,
+                                            batch_first=True, norm_first=norm_first, bias=bias,
+                                            dtype=torch.float64)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post", "pre"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_encoder_layer_matches_torch(norm_first, activation, masking, rng):
+    t = _torch_layer(norm_first, activation)
+    layer = TransformerEncoderLayer.from_torch(t)
+    assert layer.get_config()["norm_first"] is norm_first
+    x, g = randn(rng, (3, 5, 8)), randn(rng, (3, 5, 8))
+    pad = np.ones((3, 5), bool)
+    pad[1, 3:] = False
+    kw, tkw = {}, {}
+    if masking == "padding":
+        kw, tkw = {"key_mask": pad}, {"src_key_padding_mask": torch.from_numpy(~pad)}
+    elif masking == "causal":
+        kw = {"is_causal": True}
+        tkw = {"src_mask": torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
+               "is_causal": True}
+    t.train()   # dropout 0: train mode keeps torch on its reference (non-fused) path
+    tx = torch.tensor(x, requires_grad=True)
+    ty = t(tx, **tkw)
+    ty.backward(torch.from_numpy(g))
+    out, backprop = layer.forward_backward(x, **kw)
+    np.testing.assert_allclose(layer(x, **kw), out, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(out, ty.detach().numpy(), rtol=1e-10, atol=1e-12)
+    (dx,) = backprop(g)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-9, atol=1e-11)
+    grads = dict(layer.named_grads())
+    for name, p in t.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_encoder_stack_matches_torch(rng):
+    torch.manual_seed(1)
+    base = torch.nn.TransformerEncoderLayer(8, 4, 12, dropout=0.0, batch_first=True,
+                                            dtype=torch.float64)
+    t = torch.nn.TransformerEncoder(base, 2, norm=torch.nn.LayerNorm(8, dtype=torch.float64),
+                                    enable_nested_tensor=False)
+    enc = TransformerEncoder.from_torch(t)
+    assert [n for n, _ in enc.named_parameters()] == [n for n, _ in t.named_parameters()]
+    x, g = randn(rng, (2, 6, 8)), randn(rng, (2, 6, 8))
+    tx = torch.tensor(x, requires_grad=True)
+    t.train()
+    ty = t(tx)
+    ty.backward(torch.from_numpy(g))
+    out, backprop = enc.forward_backward(x)
+    np.testing.assert_allclose(out, ty.detach().numpy(), rtol=1e-10, atol=1e-12)
+    (dx,) = backprop(g)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-9, atol=1e-11)
+    grads = dict(enc.named_grads())
+    for name, p in t.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_dropout_is_seeded_and_off_in_eval(rng):
+    a = TransformerEncoderLayer(8, 2, 16, dropout=0.3, seed=4, dtype=np.float64)
+    b = TransformerEncoderLayer(8, 2, 16, dropout=0.3, seed=4, dtype=np.float64)
+    x = randn(rng, (2, 5, 8))
+    np.testing.assert_array_equal(a(x), b(x))
+    a.eval()
+    np.testing.assert_array_equal(a(x), a(x))
+    assert not np.array_equal(a(x), b(x))
