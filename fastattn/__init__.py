@@ -22,6 +22,8 @@ from .registry import (available_similarities, get_similarity, register_similari
                        unregister_similarity)
 from .similarity import CompiledSimilarity, Similarity
 from . import layers  # the public subpackage fastattn.layers (pure Python)
+from . import losses  # fastattn.losses: cross_entropy, binary_cross_entropy_with_logits, mse
+from ._checkpoint import load, save
 
 __version__ = "0.1.0"
 
@@ -83,5 +85,8 @@ __all__ = [
     "simd_active",
     "simd_isa",
     "get_include",
+    "save",
+    "load",
+    "losses",
     "__version__",
 ]

@@ -30,7 +30,7 @@ LAYERS = [
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
     ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge",
-             "fastattn._norm"}),
+             "fastattn._norm", "fastattn.losses"}),
     ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity"}),
     ("registry", {"fastattn.registry"}),
     ("ops3", {"fastattn._attention"}),
@@ -41,6 +41,8 @@ LAYERS = [
                 "fastattn.layers.attention", "fastattn.layers.multi_head",
                 "fastattn.layers.seq2seq", "fastattn.layers.blocks",
                 "fastattn.layers.transformer", "fastattn.testing"}),
+    # checkpoints: the public layer classes are its allow-list
+    ("checkpoint", {"fastattn._checkpoint"}),
     ("package", {"fastattn"}),
     # tools on top of the public package
     ("tools", {"fastattn._bench", "fastattn.dask"}),
