@@ -3,7 +3,8 @@
 Pure Python; every computation is a call into :mod:`fastattn.functional`.
 """
 from .attention import Attention, SelfAttention
-from .blocks import Dropout, FeedForward, LayerNorm, MeanPooling, Sequential
+from .blocks import (AttentionPooling, Dropout, FeedForward, LayerNorm, MeanPooling,
+                     PositionalEmbedding, Sequential)
 from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .multi_head import MultiHeadAttention
 from .rnn import GRU, LSTM, Embedding, Linear, RNNEncoder, SimpleRNN
@@ -12,4 +13,5 @@ from .seq2seq import AttentionDecoder, DecodeResult, Memory, Seq2Seq
 __all__ = ["Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "Attention",
            "SelfAttention", "MultiHeadAttention", "AttentionDecoder", "Seq2Seq", "Memory",
            "DecodeResult", "LayerNorm", "Dropout", "FeedForward", "MeanPooling", "Sequential",
+           "AttentionPooling", "PositionalEmbedding",
            "TransformerEncoderLayer", "TransformerEncoder"]

@@ -1,5 +1,6 @@
 """Building blocks for training: ``LayerNorm``, ``Dropout``, ``FeedForward``,
-``MeanPooling`` and ``Sequential``, each with ``forward_backward``.
+``MeanPooling``, ``Sequential``, ``AttentionPooling`` (Lin et al. 2017) and
+``PositionalEmbedding``, each with ``forward_backward``.
 
 Pure Python over :mod:`fastattn.functional` (``layer_norm``, ``gelu`` /
 ``relu``, ``dropout``, ``linear`` and their backward).  Parameter names are
@@ -14,7 +15,8 @@ from .. import functional as F
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
 
-__all__ = ["LayerNorm", "Dropout", "FeedForward", "MeanPooling", "Sequential", "layer_classes"]
+__all__ = ["LayerNorm", "Dropout", "FeedForward", "MeanPooling", "Sequential", "AttentionPooling",
+           "PositionalEmbedding", "layer_classes"]
 
 
 def _torch_sd(module_or_state_dict):
@@ -303,3 +305,177 @@ def layer_classes():
         if c.__module__.startswith("fastattn.layers") and not c.__name__.startswith("_"):
             out[c.__name__] = c
     return out
+
+
+# ========================================================= AttentionPooling
+def _masked_softmax_last(s, mask):
+    """softmax over the last axis of s (B, r, L) with mask (B, L) bool (None:
+    all); rows with no allowed position give zeros."""
+    if mask is not None:
+        s = np.where(mask[:, None, :], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    z = e.sum(axis=-1, keepdims=True)
+    return np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
+
+
+class AttentionPooling(Layer):
+    """The structured self-attention of Lin et al. (2017): ``r`` hops of
+    weights over the positions of ``x (B, L, E)``::
+
+        A = softmax_L(W_s2 tanh(W_s1 xᵀ))      (B, r, L), masked positions 0
+        M = A x                                 (B, r, E), flattened to (B, r E)
+
+    ``W_s1 (attn_dim, E)``, ``W_s2 (hops, attn_dim)`` (no biases, as the
+    paper); Glorot-uniform init.  Its penalty ``P = mean_b ‖A_b A_bᵀ − I‖_F²``
+    keeps the hops apart: :meth:`forward_backward` returns it and adds
+    ``penalty · dP`` to the gradients when given a ``penalty`` coefficient.
+    The weights ``A`` show which positions carry the decision
+    (``return_weights=True``)."""
+
+    def __init__(self, embed_dim, attn_dim=64, hops=1, *, flatten=True, seed=None,
+                 dtype=np.float32):
+        E = check_int(embed_dim, "embed_dim")
+        da = check_int(attn_dim, "attn_dim")
+        r = check_int(hops, "hops")
+        dt = check_dtype(dtype)
+        self._config = dict(embed_dim=E, attn_dim=da, hops=r, flatten=check_bool(flatten, "flatten"),
+                            seed=_config_seed(seed), dtype=dt.name)
+        rng = _rng(seed)
+        p = {}
+        for name, (o, i) in (("W_s1", (da, E)), ("W_s2", (r, da))):
+            lim = np.sqrt(6.0 / (o + i))
+            p[name] = rng.uniform(-lim, lim, (o, i)).astype(dt)
+        self._params = p
+
+    def __call__(self, x, mask=None, *, return_weights=False):
+        return self.forward(x, mask, return_weights=return_weights)
+
+    def _x_mask(self, x, mask):
+        x = as_float_input(x, "x", (3,), last=self._config["embed_dim"])
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.dtype != np.bool_:
+                raise TypeError(f"mask: expected a boolean array (True = real position), got dtype {m.dtype}")
+            if m.shape != x.shape[:2]:
+                raise ValueError(f"mask: expected shape {x.shape[:2]}, got {m.shape}")
+            mask = m
+        return x, mask
+
+    def _forward(self, x, mask):
+        p = self._params
+        ct = np.result_type(x.dtype, p["W_s1"].dtype)
+        u = np.tanh(F.linear(x, p["W_s1"]))                  # (B, L, da)
+        s = F.linear(u, p["W_s2"])                           # (B, L, r)
+        a = _masked_softmax_last(np.swapaxes(s, 1, 2).astype(np.float64), mask).astype(ct)
+        m = np.matmul(a, x.astype(ct, copy=False))          # (B, r, E)
+        return u, a, m
+
+    def _out(self, m):
+        return m.reshape(m.shape[0], -1) if self._config["flatten"] else m
+
+    def forward(self, x, mask=None, *, return_weights=False):
+        """``(B, hops·E)`` (``flatten``) or ``(B, hops, E)``; with ``return_weights``
+        also ``A (B, hops, L)``."""
+        x, mask = self._x_mask(x, mask)
+        _, a, m = self._forward(x, mask)
+        return (self._out(m), a) if return_weights else self._out(m)
+
+    @staticmethod
+    def penalty_of(a):
+        """``mean_b ‖A_b A_bᵀ − I‖_F²`` of weights ``a (B, r, L)``."""
+        g = np.matmul(a.astype(np.float64), np.swapaxes(a, 1, 2).astype(np.float64))
+        g -= np.eye(a.shape[1])
+        return float(np.mean(np.sum(g * g, axis=(1, 2)))) if a.shape[0] else 0.0
+
+    def forward_backward(self, x, mask=None, *, penalty=0.0):
+        """``((out, P), backprop)``: the output, the penalty value ``P`` (a float)
+        and ``backprop(grad_out)``, which adds the gradients of the loss terms
+        ``out`` feeds and of ``penalty · P`` into :attr:`grads` and returns
+        ``(dx, None)``."""
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating)) \
+                or not penalty >= 0:
+            raise ValueError(f"penalty: expected a coefficient >= 0, got {penalty!r}")
+        x, mask = self._x_mask(x, mask)
+        u, a, m = self._forward(x, mask)
+        P = self.penalty_of(a)
+        out = self._out(m)
+        p = self._params
+
+        def backprop(grad_out):
+            g = np.asarray(grad_out)
+            if g.shape != out.shape:
+                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            gm = g.reshape(m.shape).astype(np.float64)
+            a64, x64 = a.astype(np.float64), x.astype(np.float64)
+            dx = np.matmul(np.swapaxes(a64, 1, 2), gm)                  # through M = A x
+            da = np.matmul(gm, np.swapaxes(x64, 1, 2))                  # (B, r, L)
+            if penalty and a.shape[0]:
+                gram = np.matmul(a64, np.swapaxes(a64, 1, 2)) - np.eye(a.shape[1])
+                da += (penalty * 4.0 / a.shape[0]) * np.matmul(gram, a64)
+            ds = a64 * (da - np.sum(da * a64, axis=-1, keepdims=True))  # softmax backward
+            ds_t = np.swapaxes(ds, 1, 2).astype(u.dtype)                # (B, L, r)
+            du, dw2, _ = F.linear_backward(ds_t, u, p["W_s2"])
+            dz = du * (1 - u * u)
+            dx_s, dw1, _ = F.linear_backward(dz, x, p["W_s1"])
+            gr = self.grads
+            gr["W_s1"] += dw1
+            gr["W_s2"] += dw2
+            return (dx + dx_s).astype(x.dtype), None
+        return (out, P), backprop
+
+
+# ======================================================= PositionalEmbedding
+class PositionalEmbedding(Layer):
+    """Positions ``0 .. max_len-1`` as vectors added to ``x (B, L, E)``:
+    ``kind="learned"`` (a ``weight (max_len, E)`` table, N(0, 1) init, trained)
+    or ``"sinusoidal"`` (Vaswani et al.: ``sin(p / 10000^(2i/E))`` on even
+    features, ``cos`` on odd ones; no parameters).  ``forward(x)`` returns
+    ``x + P[:L]``."""
+
+    def __init__(self, max_len, embed_dim, *, kind="learned", seed=None, dtype=np.float32):
+        n = check_int(max_len, "max_len")
+        E = check_int(embed_dim, "embed_dim")
+        if kind not in ("learned", "sinusoidal"):
+            raise ValueError(f"kind: expected 'learned' or 'sinusoidal', got {kind!r}")
+        dt = check_dtype(dtype)
+        self._config = dict(max_len=n, embed_dim=E, kind=kind, seed=_config_seed(seed), dtype=dt.name)
+        if kind == "learned":
+            self._params = {"weight": _rng(seed).standard_normal((n, E)).astype(dt)}
+        else:
+            self._params = {}
+            pos = np.arange(n, dtype=np.float64)[:, None]
+            div = np.exp(np.arange(0, E, 2, dtype=np.float64) * (-np.log(10000.0) / E))
+            t = np.zeros((n, E))
+            t[:, 0::2] = np.sin(pos * div)
+            t[:, 1::2] = np.cos(pos * div[:E // 2])
+            self._table = t.astype(dt)
+
+    def _pe(self, L):
+        if L > self._config["max_len"]:
+            raise ValueError(f"x: expected at most max_len={self._config['max_len']} positions, got {L}")
+        return (self._params["weight"] if self._config["kind"] == "learned" else self._table)[:L]
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def forward(self, x):
+        x = as_float_input(x, "x", (2, 3), last=self._config["embed_dim"])
+        return x + self._pe(x.shape[-2])
+
+    def forward_backward(self, x):
+        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (the learned
+        table gets the sum over the batch)."""
+        out = self.forward(x)
+        L = out.shape[-2]
+
+        def backprop(grad_out):
+            g = np.asarray(grad_out)
+            if g.shape != out.shape:
+                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            if self._config["kind"] == "learned":
+                w = self.grads["weight"]
+                w[:L] += g.reshape(-1, L, g.shape[-1]).sum(axis=0, dtype=np.float64).astype(w.dtype)
+            return (g,)
+        return out, backprop

@@ -150,3 +150,55 @@ def test_sequential_chains_and_round_trips_its_config(rng):
         Sequential.from_config({"layers": [{"class": "os.system", "config": {}}]})
     with pytest.raises(TypeError, match=r"^layers\[1\]: expected a fastattn Layer"):
         Sequential(Linear(2, 2), "relu")
+
+
+@pytest.mark.parametrize("hops,penalty", [(1, 0.0), (3, 0.5)])
+def test_attention_pooling_matches_torch(hops, penalty, rng):
+    from fastattn.layers import AttentionPooling
+    layer = AttentionPooling(6, 5, hops, seed=2, dtype=np.float64)
+    x = randn(rng, (3, 4, 6))
+    mask = np.array([[True] * 4, [True, True, True, False], [True, False, False, False]])
+    (out, P), backprop = layer.forward_backward(x, mask, penalty=penalty)
+    ref, a = layer(x, mask, return_weights=True)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=0)
+    assert out.shape == (3, hops * 6) and a.shape == (3, hops, 4)
+    assert not a[1, :, 3].any() and np.allclose(a.sum(-1), 1.0)
+    g = randn(rng, out.shape)
+    dx, dm = backprop(g)
+    assert dm is None
+    tx = torch.tensor(x, requires_grad=True)
+    W1 = torch.tensor(layer.parameters()["W_s1"], requires_grad=True)
+    W2 = torch.tensor(layer.parameters()["W_s2"], requires_grad=True)
+    s = (torch.tanh(tx @ W1.T) @ W2.T).transpose(1, 2)
+    s = s.masked_fill(~torch.from_numpy(mask)[:, None, :], float("-inf"))
+    ta = torch.softmax(s, -1)
+    tm = (ta @ tx).reshape(3, -1)
+    gram = ta @ ta.transpose(1, 2) - torch.eye(hops, dtype=torch.float64)
+    tp = (gram ** 2).sum((1, 2)).mean()
+    ((tm * torch.from_numpy(g)).sum() + penalty * tp).backward()
+    np.testing.assert_allclose(out, tm.detach().numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(P, tp.item(), rtol=1e-12)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(layer.grads["W_s1"], W1.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(layer.grads["W_s2"], W2.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_positional_embedding(rng):
+    from fastattn.layers import PositionalEmbedding
+    sin = PositionalEmbedding(10, 6, kind="sinusoidal", dtype=np.float64)
+    x = randn(rng, (2, 7, 6))
+    pe = sin(x) - x
+    p, i = 5, 2   # feature 2i = 4 is sin, 2i + 1 = 5 is cos
+    np.testing.assert_allclose(pe[1, p, 4], np.sin(p / 10000 ** (4 / 6)), rtol=1e-12)
+    np.testing.assert_allclose(pe[0, p, 5], np.cos(p / 10000 ** (4 / 6)), rtol=1e-12)
+    assert sin.parameters() == {}
+    learned = PositionalEmbedding(10, 6, seed=1, dtype=np.float64)
+    out, backprop = learned.forward_backward(x)
+    np.testing.assert_allclose(out, x + learned.parameters()["weight"][:7], rtol=1e-15)
+    g = randn(rng, x.shape)
+    (dx,) = backprop(g)
+    np.testing.assert_array_equal(dx, g)
+    np.testing.assert_allclose(learned.grads["weight"][:7], g.sum(0), rtol=1e-14)
+    assert not learned.grads["weight"][7:].any()
+    with pytest.raises(ValueError, match=r"^x: expected at most max_len=10 positions, got 11"):
+        learned(randn(rng, (1, 11, 6)))

@@ -163,6 +163,13 @@ CASES = {
     "Sequential": (lambda dt: L.Sequential(L.Linear(5, 6, seed=5, dtype=dt), L.LayerNorm(6, dtype=dt),
                                            L.FeedForward(6, 8, seed=6, dtype=dt)),
                    lambda m, rng: (m(rng.standard_normal((2, 5))),)),
+    "AttentionPooling": (lambda dt: L.AttentionPooling(5, 4, 3, seed=9, dtype=dt),
+                         lambda m, rng: m(rng.standard_normal((2, 3, 5)),
+                                          np.array([[1, 1, 0], [1, 1, 1]], bool), return_weights=True)),
+    "PositionalEmbedding-learned": (lambda dt: L.PositionalEmbedding(6, 5, seed=3, dtype=dt),
+                                    lambda m, rng: (m(rng.standard_normal((2, 4, 5))),)),
+    "PositionalEmbedding-sinusoidal": (lambda dt: L.PositionalEmbedding(6, 5, kind="sinusoidal", dtype=dt),
+                                       lambda m, rng: (m(rng.standard_normal((2, 4, 5))),)),
     "TransformerEncoderLayer-post": (
         lambda dt: L.TransformerEncoderLayer(8, 2, 12, dropout=0.1, seed=7, dtype=dt),
         lambda m, rng: (m.eval()(rng.standard_normal((2, 4, 8)),
