@@ -19,7 +19,8 @@ parameter's dtype: a float32 parameter stays float32, as in torch.  There is
 one parameter group: the hyper-parameters apply to every parameter.
 
 Non-finite gradients are not skipped: as in torch, a NaN or inf propagates
-into the parameter (and the state) where it occurs.
+into the parameter (and the state) where it occurs, without a warning (check
+``np.isfinite`` or use :func:`clip_grad_norm`'s ``error_if_nonfinite``).
 
 =============================  ==================================================
 name                           torch counterpart
@@ -228,11 +229,12 @@ class Optimizer:
                     if isinstance(v, np.ndarray) and v.shape != p.shape:
                         raise ValueError(f"params[{name!r}]: the parameter's shape {p.shape} differs "
                                          f"from its optimizer state's ({k!r}: {v.shape})")
-        for name, p, g in items:
-            st = self.state.get(name)
-            if st is None:
-                st = self.state[name] = self._init_state(p)
-            self._update(p, g, st)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # NaN / inf propagate, as torch's
+            for name, p, g in items:
+                st = self.state.get(name)
+                if st is None:
+                    st = self.state[name] = self._init_state(p)
+                self._update(p, g, st)
 
     def zero_grad(self):
         """Set every gradient to zero, in place.  Returns None."""
@@ -276,12 +278,12 @@ class Optimizer:
         d = state_dict
         if not isinstance(d, Mapping):
             raise TypeError(f"state_dict: expected a mapping (from state_dict()), got {type(d).__name__}")
+        if d.get("optimizer") != type(self).__name__:
+            raise ValueError(f"state_dict['optimizer']: expected {type(self).__name__!r}, "
+                             f"got {d.get('optimizer')!r}")
         want = {"optimizer", "hyperparameters", "param_names", "state"}
         if set(d) != want:
             raise ValueError(f"state_dict: expected the keys {sorted(want)}, got {sorted(map(str, d))}")
-        if d["optimizer"] != type(self).__name__:
-            raise ValueError(f"state_dict['optimizer']: expected {type(self).__name__!r}, "
-                             f"got {d['optimizer']!r}")
         hyper = d["hyperparameters"]
         if not isinstance(hyper, Mapping) or set(hyper) != set(self._hyper_checks):
             got = sorted(map(str, hyper)) if isinstance(hyper, Mapping) else type(hyper).__name__
@@ -526,8 +528,9 @@ def clip_grad_norm(params_or_model, max_norm, norm_type=2.0, error_if_nonfinite=
                            "error_if_nonfinite=False to scale the gradients by it anyway")
     coef = float(np.minimum(max_norm / (total + 1e-6), 1.0))  # NaN propagates, as torch's clamp
     if coef != 1.0:
-        for g in grads:
-            g *= coef
+        with np.errstate(invalid="ignore"):  # inf * 0 -> NaN, as torch's
+            for g in grads:
+                g *= coef
     return total
 
 
@@ -588,11 +591,11 @@ class LRSchedule:
         d = state_dict
         if not isinstance(d, Mapping):
             raise TypeError(f"state_dict: expected a mapping (from state_dict()), got {type(d).__name__}")
+        if d.get("schedule") != type(self).__name__:
+            raise ValueError(f"state_dict['schedule']: expected {type(self).__name__!r}, got {d.get('schedule')!r}")
         want = {"schedule", "last_epoch", "base_lr", *self._config()}
         if set(d) != want:
             raise ValueError(f"state_dict: expected the keys {sorted(want)}, got {sorted(map(str, d))}")
-        if d["schedule"] != type(self).__name__:
-            raise ValueError(f"state_dict['schedule']: expected {type(self).__name__!r}, got {d['schedule']!r}")
         last = _int(d["last_epoch"], "state_dict['last_epoch']")
         base = _nonneg(d["base_lr"], "state_dict['base_lr']")
         config = self._check_config({k: d[k] for k in self._config()}, "state_dict: ")
