@@ -23,6 +23,7 @@ from .registry import (available_similarities, get_similarity, register_similari
 from .similarity import CompiledSimilarity, Similarity
 from . import layers  # the public subpackage fastattn.layers (pure Python)
 from . import losses  # fastattn.losses: cross_entropy, binary_cross_entropy_with_logits, mse
+from . import optim  # fastattn.optim: SGD, Adam, AdamW, clip_grad_norm, schedules
 from ._checkpoint import load, save
 
 __version__ = "0.1.0"
@@ -88,5 +89,6 @@ __all__ = [
     "save",
     "load",
     "losses",
+    "optim",
     "__version__",
 ]

@@ -238,18 +238,21 @@ class _RNNBase(Layer):
         return np.dtype(self._config["dtype"])
 
     def _weights(self, k, sfx, ct):
-        """(W_ih, W_hh, b_ih, b_hh) in dtype ct (cached)."""
-        key = (k, sfx, ct.str)
-        w = self._cache.get(key)
-        if w is None:
-            p = self._params
-            G = _GATES[self._mode] * self.hidden_size
-            w = (np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"], dtype=ct),
-                 np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"], dtype=ct),
-                 p[f"bias_ih_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct),
-                 p[f"bias_hh_l{k}{sfx}"].astype(ct) if self.bias else np.zeros(G, ct))
-            self._cache[key] = w
-        return w
+        """(W_ih, W_hh, b_ih, b_hh) in dtype ct: the live parameter arrays when
+        they are in ct already (so in-place updates, e.g. an optimizer's step,
+        are seen), converted copies otherwise (made per call, never cached);
+        zero biases (cached) without bias."""
+        p = self._params
+        G = _GATES[self._mode] * self.hidden_size
+        if self.bias:
+            bih = p[f"bias_ih_l{k}{sfx}"].astype(ct, copy=False)
+            bhh = p[f"bias_hh_l{k}{sfx}"].astype(ct, copy=False)
+        else:
+            bih = bhh = self._cache.get(("zeros", ct.str))
+            if bih is None:
+                bih = bhh = self._cache.setdefault(("zeros", ct.str), np.zeros(G, ct))
+        return (np.ascontiguousarray(p[f"weight_ih_l{k}{sfx}"], dtype=ct),
+                np.ascontiguousarray(p[f"weight_hh_l{k}{sfx}"], dtype=ct), bih, bhh)
 
     def _scan_cell(self):
         """The cell name of :func:`fastattn.functional.rnn_scan`."""

@@ -25,7 +25,7 @@ LAYERS = [
     # compiled: Cython over csrc/ (C knows nothing of Python)
     ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._scores"}),
     # plain NumPy: argument checks, the float64 oracle, plotting
-    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz"}),
+    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz", "fastattn.optim"}),
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)

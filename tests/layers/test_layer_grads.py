@@ -307,3 +307,20 @@ def test_rnn_encoder_forward_backward_matches_torch(rng):
     np.testing.assert_allclose(grads["embedding.weight"], emb.weight.grad.numpy(), rtol=1e-9, atol=1e-11)
     for name, p in t.named_parameters():
         np.testing.assert_allclose(grads["rnn." + name], p.grad.numpy(), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rnn_sees_in_place_updates(dtype, rng):
+    """An optimizer updates the parameter arrays in place: the next call uses them
+    (also when the input's dtype differs from the layer's)."""
+    from fastattn.layers import GRU
+    layer = GRU(3, 4, seed=0)
+    x = randn(rng, (2, 5, 3), dtype)
+    before = layer(x)[0]
+    for a in layer.parameters().values():
+        a += np.float32(0.1)
+    after = layer(x)[0]
+    fresh = GRU(3, 4, seed=0)
+    fresh.load_state_dict(layer.state_dict())
+    np.testing.assert_array_equal(after, fresh(x)[0])
+    assert not np.array_equal(before, after)
