@@ -13,7 +13,9 @@ section "Profiling your similarity")::
         benchmark_similarity(benchmark, sim, batch=4, Lq=256, Lk=256, d=64)
 
 Also here: :func:`selftest_similarity`, a compiled plugin built into
-fastattn that exercises the plugin ABI (``csrc/fastattn_plugin.h``).
+fastattn that exercises the plugin ABI (``csrc/fastattn_plugin.h``), and
+:func:`check_gradients`, finite differences against a layer's
+``forward_backward`` (for your own layers).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from ._attention import attention, attention_path, selftest_capsule
 from .registry import get_similarity
 from .similarity import CompiledSimilarity, ParamSpec
 
-__all__ = ["benchmark_similarity", "check_against_oracle", "make_inputs", "selftest_similarity"]
+__all__ = ["benchmark_similarity", "check_against_oracle", "check_gradients", "make_inputs",
+           "selftest_similarity"]
 
 
 class _SelftestNegSqDist(CompiledSimilarity):
@@ -179,3 +182,80 @@ def selftest_similarity():
     """A :class:`~fastattn.CompiledSimilarity` backed by fastattn's own C
     self-test plugin (not registered)."""
     return _SelftestNegSqDist()
+
+
+# ----------------------------------------------------------------- gradients
+def _float_leaves(x):
+    """The float ndarrays of a nested tuple / list, in order (others skipped)."""
+    if isinstance(x, np.ndarray):
+        return [x] if x.dtype.kind == "f" else []
+    if isinstance(x, (tuple, list)):
+        return [a for e in x for a in _float_leaves(e)]
+    return []
+
+
+def _like(x, make):
+    """x's structure with each float ndarray replaced by make(array), the rest
+    dropped at the end of a tuple (the masks and ids a layer returns last)."""
+    if isinstance(x, np.ndarray):
+        return make(x) if x.dtype.kind == "f" else None
+    items = [_like(e, make) for e in x]
+    while items and items[-1] is None:
+        items.pop()
+    return tuple(items)
+
+
+def check_gradients(layer, *inputs, eps=1e-6, rtol=1e-5, atol=1e-8, entries=6, seed=0, **kwargs):
+    """Check ``layer.forward_backward(*inputs, **kwargs)`` against central
+    finite differences of ``layer(*inputs, **kwargs)``; for users' own layers.
+
+    The scalar checked is ``Σ <g, out>`` over the float arrays of the output
+    (nested tuples too) with random ``g`` (seeded); ``backprop`` gets ``g``
+    in the output's structure (one argument per top-level output, trailing
+    masks / ids dropped).  ``entries`` random entries of every parameter
+    (:meth:`Layer.named_parameters`) and of every float input array are
+    perturbed by ``±eps`` in place and restored.  Use a float64 layer and
+    inputs.  Gradients already in ``layer.grads`` are set to zero first.
+    Returns ``{name: max relative error}``; raises ``AssertionError`` naming
+    the first entry off by more than ``atol + rtol |fd|``.
+    """
+    rng = np.random.default_rng(seed)
+    layer.zero_grad()
+    out, backprop = layer.forward_backward(*inputs, **kwargs)
+    leaves = _float_leaves(out)
+    gs = [rng.standard_normal(a.shape) for a in leaves]
+    it = iter(gs)
+    g_struct = _like(out, lambda a: next(it))
+    in_grads = backprop(*g_struct) if isinstance(out, tuple) else backprop(g_struct)
+
+    def value():
+        o = layer(*inputs, **kwargs)
+        return float(sum(np.sum(np.asarray(a, np.float64) * g) for a, g in zip(_float_leaves(o), gs)))
+
+    checks = [(f"param {n}", p, dict(layer.named_grads())[n]) for n, p in layer.named_parameters()]
+    for i, (x, dx) in enumerate(zip(inputs, in_grads or ())):
+        if isinstance(x, np.ndarray) and x.dtype.kind == "f" and dx is not None:
+            checks.append((f"input {i}", x, dx))
+    report = {}
+    for name, arr, grad in checks:
+        if arr.size == 0:
+            continue
+        if not arr.flags.writeable:
+            raise ValueError(f"{name}: read-only (a frozen layer?): finite differences need to write it")
+        worst = 0.0
+        for _ in range(entries):
+            idx = tuple(int(rng.integers(s)) for s in arr.shape)
+            old = arr[idx]
+            arr[idx] = old + eps
+            up = value()
+            arr[idx] = old - eps
+            down = value()
+            arr[idx] = old
+            fd = (up - down) / (2 * eps)
+            an = float(np.asarray(grad)[idx])
+            if abs(an - fd) > atol + rtol * abs(fd):
+                raise AssertionError(f"{name}{list(idx)}: backward gives {an!r}, finite "
+                                     f"differences {fd!r}")
+            worst = max(worst, abs(an - fd) / max(abs(fd), atol))
+        report[name] = worst
+    return report

@@ -324,3 +324,21 @@ def test_rnn_sees_in_place_updates(dtype, rng):
     fresh.load_state_dict(layer.state_dict())
     np.testing.assert_array_equal(after, fresh(x)[0])
     assert not np.array_equal(before, after)
+
+
+def test_check_gradients_passes_good_layers_and_catches_a_bad_one(rng):
+    from fastattn.layers import GRU, LayerNorm, TransformerEncoderLayer
+    from fastattn.testing import check_gradients
+    rep = check_gradients(Linear(4, 3, seed=1, dtype=np.float64), randn(rng, (2, 4)))
+    assert set(rep) == {"param weight", "param bias", "input 0"}
+    check_gradients(GRU(3, 4, 2, bidirectional=True, seed=2, dtype=np.float64), randn(rng, (2, 5, 3)),
+                    lengths=np.array([5, 3]))
+    check_gradients(TransformerEncoderLayer(8, 2, 12, dropout=0.0, norm_first=True, seed=3,
+                                            dtype=np.float64), randn(rng, (2, 4, 8)), is_causal=True)
+
+    class Wrong(LayerNorm):
+        def forward_backward(self, x):
+            out, back = super().forward_backward(x)
+            return out, lambda g: (back(g)[0] * 1.01,)
+    with pytest.raises(AssertionError, match=r"^input 0\[.*\]: backward gives"):
+        check_gradients(Wrong(5, dtype=np.float64), randn(rng, (3, 5)))
