@@ -147,7 +147,7 @@ def relu(x):
     x = _float_array(x, "x")
     if x.dtype.kind != "f":
         x = x.astype(np.float64)
-    return np.where((x > 0) | np.isnan(x), x, x.dtype.type(0))
+    return np.maximum(x, x.dtype.type(0))   # NaN propagates through np.maximum
 
 
 def relu_backward(grad_out, x):
@@ -173,10 +173,11 @@ def dropout(x, p, *, rng):
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng: expected a numpy.random.Generator, got {describe(rng)}")
     x = _float_array(x, "x")
-    keep = rng.random(x.shape) >= p
-    scale = 1.0 / (1.0 - p)
+    keep = rng.random(x.shape, dtype=np.float32) >= np.float32(p)
     dt = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
-    return np.where(keep, x * dt.type(scale), dt.type(0)).astype(dt, copy=False), keep
+    out = np.multiply(x, keep, dtype=dt)
+    out *= dt.type(1.0 / (1.0 - p))
+    return out, keep
 
 
 def dropout_backward(grad_out, keep, p):
@@ -186,4 +187,6 @@ def dropout_backward(grad_out, keep, p):
     if keep.dtype != np.bool_:
         raise TypeError(f"keep: expected the boolean mask dropout returned, got dtype {keep.dtype}")
     g = check_grad_array(grad_out, "grad_out", keep.shape)
-    return np.where(keep, g * g.dtype.type(1.0 / (1.0 - p)), g.dtype.type(0))
+    out = np.multiply(g, keep, dtype=g.dtype)
+    out *= g.dtype.type(1.0 / (1.0 - p))
+    return out

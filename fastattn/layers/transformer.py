@@ -12,6 +12,12 @@ Post-norm (torch's default)::
     x = x + dropout1(self_attn(norm1(x)))
     x = x + dropout2(linear2(dropout(activation(linear1(norm2(x))))))
 
+One difference from torch: no dropout on the attention *weights* (torch's
+``self_attn.dropout``): the attention runs in the streaming kernel, which never
+holds the weights.  ``dropout`` applies where torch has its three other
+dropouts (``dropout``, ``dropout1``, ``dropout2``); at ``dropout=0`` and in
+eval mode the two layers compute the same function.
+
 Masks: ``key_mask (B, L)`` bool, True = real token (torch's
 ``src_key_padding_mask`` is the negation); ``attn_mask`` as
 :func:`fastattn.multi_head_attention`'s (bool True = may attend, or additive
