@@ -266,13 +266,7 @@ class Sequential(Layer):
         for layer in self.layers:
             x, b = layer.forward_backward(x)
             backs.append(b)
-
-        def backprop(grad_out):
-            g = (grad_out,)
-            for b in reversed(backs):
-                g = b(g[0])
-            return g
-        return x, backprop
+        return x, chain_backprops(backs)
 
     def get_config(self):
         return {"layers": [{"class": type(layer).__name__, "config": layer.get_config()}
@@ -293,6 +287,17 @@ class Sequential(Layer):
                                  f"expected one of {sorted(known)}")
             layers.append(known[name].from_config(entry.get("config", {}), seed=seed))
         return cls(*layers)
+
+
+def chain_backprops(backs):
+    """One backprop for layers applied in order: each one's first input gradient
+    goes to the layer before (the first layer's gradients are returned)."""
+    def backprop(grad_out):
+        g = (grad_out,)
+        for b in reversed(backs):
+            g = b(g[0])
+        return g
+    return backprop
 
 
 def layer_classes():

@@ -292,6 +292,24 @@ class _RNNBase(Layer):
         c = cs[0][None] if len(cs) == 1 else np.stack(cs)
         return h, (c[:, 0] if unbatched else c)
 
+    def _call_args(self, x, state, lengths):
+        """``(x (B, T, E), unbatched, compute dtype, lengths or None, h0, c0)`` of a
+        call, validated (lengths None when no row is shorter than T)."""
+        x = as_float_input(x, "x", (2, 3), last=self.input_size)
+        unbatched = x.ndim == 2
+        if unbatched:
+            x = x[None]
+        B, T, _ = x.shape
+        ct = np.result_type(x.dtype, self.dtype)
+        if lengths is not None:
+            if unbatched:
+                raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
+            lengths = _check_lengths(lengths, B, T)
+            if not np.any(lengths < T):
+                lengths = None
+        st = self._check_state(state, B, unbatched, ct)
+        return x, unbatched, ct, lengths, st[0], st[1] if self._mode == "LSTM" else None
+
     # ----------------------------------------------------------- forward
     def __call__(self, x, state=None, *, lengths=None):
         return self.forward(x, state, lengths=lengths)
@@ -306,21 +324,8 @@ class _RNNBase(Layer):
 
         Returns ``(outputs (B, T, D * H), final_state)``.
         """
-        x = as_float_input(x, "x", (2, 3), last=self.input_size)
-        unbatched = x.ndim == 2
-        if unbatched:
-            x = x[None]
+        x, unbatched, ct, lengths, h0, c0 = self._call_args(x, state, lengths)
         B, T, _ = x.shape
-        ct = np.result_type(x.dtype, self.dtype)
-        if lengths is not None:
-            if unbatched:
-                raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
-            lengths = _check_lengths(lengths, B, T)
-            if not np.any(lengths < T):
-                lengths = None
-        st = self._check_state(state, B, unbatched, ct)
-        h0 = st[0]
-        c0 = st[1] if self._mode == "LSTM" else None
         hs, cs = [], []
         inp = x
         cell = self._scan_cell()
@@ -354,19 +359,8 @@ class _RNNBase(Layer):
         ``return_gates``); the inputs must not change before ``backprop``.
         """
         x = as_float_input(x, "x", (2, 3), last=self.input_size)
-        unbatched = x.ndim == 2
-        xb = x[None] if unbatched else x
+        xb, unbatched, ct, lengths, h0, c0 = self._call_args(x, state, lengths)
         B, T, _ = xb.shape
-        ct = np.result_type(xb.dtype, self.dtype)
-        if lengths is not None:
-            if unbatched:
-                raise ValueError("lengths: not supported for unbatched (T, E) input; pass (1, T, E)")
-            lengths = _check_lengths(lengths, B, T)
-            if not np.any(lengths < T):
-                lengths = None
-        st = self._check_state(state, B, unbatched, ct)
-        h0 = st[0]
-        c0 = st[1] if self._mode == "LSTM" else None
         cell, H, D = self._scan_cell(), self.hidden_size, self.num_directions
         GH = _GATES[self._mode] * H
         p = self._params

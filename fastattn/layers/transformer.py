@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import functional as F
 from ._base import Layer, _config_seed, _rng, check_bool, check_dtype, check_int
-from .blocks import Dropout, LayerNorm, _check_p, _torch_sd
+from .blocks import Dropout, LayerNorm, _check_p, _torch_sd, chain_backprops
 from .multi_head import MultiHeadAttention
 from .rnn import Linear
 
@@ -198,13 +198,7 @@ class TransformerEncoder(Layer):
         if self.norm is not None:
             x, b = self.norm.forward_backward(x)
             backs.append(b)
-
-        def backprop(grad_out):
-            g = (grad_out,)
-            for b in reversed(backs):
-                g = b(g[0])
-            return g
-        return x, backprop
+        return x, chain_backprops(backs)
 
     @classmethod
     def from_torch(cls, module, *, dtype=None):
