@@ -140,6 +140,21 @@ _INITIAL_SIMD = _kernels.simd_active()
 _INITIAL_SIMD_CAP = _kernels.simd_max_level()
 
 
+def _top_isa():
+    """The best vector ISA this build and CPU run ("avx512", "avx2" or None),
+    whatever FASTATTN_DISABLE_SIMD / FASTATTN_SIMD asked for (state restored)."""
+    was_on = _kernels.simd_active()
+    _kernels.set_simd_disabled(False)
+    _kernels.set_simd_max_level(2)
+    top = {0: None, 1: "avx2", 2: "avx512"}[_kernels.simd_level()]
+    _kernels.set_simd_max_level(_INITIAL_SIMD_CAP)
+    _kernels.set_simd_disabled(not was_on)
+    return top
+
+
+SIMD_TOP_ISA = _top_isa()
+
+
 def _restore_simd():
     _kernels.set_simd_disabled(not _INITIAL_SIMD if SIMD_CAPABLE else True)
     _kernels.set_simd_max_level(_INITIAL_SIMD_CAP)
