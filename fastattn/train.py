@@ -323,8 +323,13 @@ def fit(model, loss_fn, optimizer, batches, *, epochs, valid=None, metrics=None,
         gradients are zeroed) so the parameters are those after the previous
         step; one that arrives during ``optimizer.step()`` / ``schedule.step()``
         (main thread) is deferred until they finish, so no parameter is left
-        half updated.  No evaluation runs for the interrupted epoch; its
-        record has ``interrupted=True`` as has ``history.interrupted``.
+        half updated -- so is one during the ``keep_best`` copy and the
+        ``checkpoint`` write (the run then stops after them).  One while
+        ``batches(epoch)`` or an iteration of the batches runs, or during
+        ``valid`` / ``metrics``, stops the run there.  No evaluation runs for
+        the interrupted epoch; its record has ``interrupted=True`` as has
+        ``history.interrupted``.  Other exceptions propagate (the training
+        mode is restored and, with ``keep_best``, the best weights loaded).
     """
     _require(model, "model", ("named_parameters", "train", "eval"), "a fastattn layer")
     if not callable(loss_fn):
@@ -382,11 +387,14 @@ def fit(model, loss_fn, optimizer, batches, *, epochs, valid=None, metrics=None,
     try:
         for epoch in range(epochs):
             t0 = time.perf_counter()
-            it, total = _epoch_batches(batches, epoch, seed)
             steps, loss_sum, weight_sum = 0, 0.0, 0.0
             interrupted = False
-            iterator = iter(it)
-            while True:
+            try:
+                it, total = _epoch_batches(batches, epoch, seed)
+                iterator = iter(it)
+            except KeyboardInterrupt:
+                iterator, total, interrupted = iter(()), None, True
+            while not interrupted:
                 try:
                     try:
                         batch = next(iterator)
@@ -431,18 +439,22 @@ def fit(model, loss_fn, optimizer, batches, *, epochs, valid=None, metrics=None,
                 history.interrupted = True
                 break
             new_best = False
-            if best_spec is not None:
-                name, mode = best_spec
-                if name not in record:
-                    raise ValueError(f"keep_best: no metric {name!r} in the epoch's record; "
-                                     f"it has {sorted(k for k in record if k not in ('epoch', 'interrupted'))}")
-                v = record[name]
-                if not math.isnan(v) and (best_value is None or
-                                          (v > best_value if mode == "max" else v < best_value)):
-                    best_value, best_state, new_best = v, model.state_dict(), True
-                    history.best = record
-            if checkpoint is not None and (best_spec is None or new_best):
-                save(model, checkpoint)
+            with _DeferInterrupt() as guard:  # the best copy and the checkpoint are never half made
+                if best_spec is not None:
+                    name, mode = best_spec
+                    if name not in record:
+                        raise ValueError(f"keep_best: no metric {name!r} in the epoch's record; it has "
+                                         f"{sorted(k for k in record if k not in ('epoch', 'interrupted'))}")
+                    v = record[name]
+                    if not math.isnan(v) and (best_value is None or
+                                              (v > best_value if mode == "max" else v < best_value)):
+                        best_value, best_state, new_best = v, model.state_dict(), True
+                        history.best = record
+                if checkpoint is not None and (best_spec is None or new_best):
+                    save(model, checkpoint)
+            if guard.hit:
+                record["interrupted"] = history.interrupted = True
+                break
             stop = None
             for i, cb in enumerate(callbacks):
                 if cb(record) is True and stop is None:

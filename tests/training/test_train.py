@@ -4,6 +4,7 @@ and bucket_batches (coverage, padding, masks, determinism, less padding)."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import signal
 
@@ -380,6 +381,37 @@ def test_keyboard_interrupt_during_optimizer_step_is_deferred():
     train.fit(ref, mse_loss, ref_opt, linear_batches(4)[:2], epochs=1, progress=False)
     assert same_params(params(model), params(ref))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_keyboard_interrupt_during_the_best_copy_is_deferred():
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has a custom handler in this process")
+
+    class Interrupting(Linear):
+        def state_dict(self):
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the best weights are copied
+            return super().state_dict()
+    model = Interrupting(3, 1, seed=0)
+    snapshots = []
+    hist = train.fit(model, mse_loss, SGD(model, lr=0.1), linear_batches(3), epochs=3,
+                     valid=fake_valid([0.5, 0.6, 0.7]), keep_best=("acc", "max"),
+                     callbacks=[lambda r: snapshots.append(params(model))], progress=False)
+    assert hist.interrupted and len(hist) == 1 and hist[0]["interrupted"]
+    assert hist[0]["steps"] == 3 and "acc" in hist[0] and hist.best is hist[0]
+    assert snapshots == []  # stopped before the callbacks of the interrupted epoch
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_keyboard_interrupt_while_making_the_epochs_batches():
+    model = Linear(3, 1, seed=0)
+
+    def batches(epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return linear_batches(2)
+    hist = train.fit(model, mse_loss, SGD(model, lr=0.1), batches, epochs=3, progress=False)
+    assert hist.interrupted and [r["steps"] for r in hist] == [2, 0]
+    assert math.isnan(hist[1]["loss"]) and not hist[0]["interrupted"]
 
 
 def test_keep_best_is_restored_after_an_interrupt():
