@@ -586,6 +586,8 @@ def bucket_batches(seqs, labels=None, *, batch_size, pad_id=0, shuffle=True, see
     n = len(seqs)
     batch_size = _int(batch_size, "batch_size", minimum=1)
     pad_id = _int(pad_id, "pad_id", minimum=-(2 ** 63))
+    if pad_id >= 2 ** 63:
+        raise ValueError(f"pad_id: expected an int64 id (< 2**63), got {pad_id}")
     shuffle = _bool(shuffle, "shuffle")
     seed = _seed(seed)
     if bucket_size is None:

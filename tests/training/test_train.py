@@ -13,9 +13,10 @@ import pytest
 
 import fastattn
 from fastattn import train
-from fastattn.layers import Embedding, Linear, MeanPooling
+from fastattn.layers import (Embedding, Linear, MeanPooling, PositionalEmbedding,
+                             TransformerEncoderLayer)
 from fastattn.layers._base import Layer
-from fastattn.optim import SGD, Adam, LambdaLR
+from fastattn.optim import SGD, Adam, LambdaLR, WarmupCosine
 
 
 # ================================================================ helpers
@@ -42,6 +43,41 @@ class Classifier(Layer):
 
         def backprop(g):
             back_e(back_p(back_h(g)[0])[0])
+            return None, None
+        return out, backprop
+
+
+class TransformerClassifier(Layer):
+    """Embedding -> sinusoidal positions -> TransformerEncoderLayer (dropout 0.1, key mask)
+    -> MeanPooling -> Linear(2)."""
+
+    def __init__(self, seed=0):
+        rng = np.random.default_rng(seed)
+
+        def s():
+            return int(rng.integers(2 ** 31))
+        self.emb = Embedding(10, 16, padding_idx=0, seed=s())
+        self.pos = PositionalEmbedding(32, 16, kind="sinusoidal")
+        self.enc = TransformerEncoderLayer(16, 2, 32, dropout=0.1, seed=s())
+        self.pool = MeanPooling()
+        self.head = Linear(16, 2, seed=s())
+        self._params, self._config = {}, {}
+
+    def _children(self):
+        return {"emb": self.emb, "pos": self.pos, "enc": self.enc, "pool": self.pool, "head": self.head}
+
+    def __call__(self, ids, mask):
+        return self.head(self.pool(self.enc(self.pos(self.emb(ids)), key_mask=mask), mask))
+
+    def forward_backward(self, ids, mask):
+        e, b_emb = self.emb.forward_backward(ids)
+        p, b_pos = self.pos.forward_backward(e)
+        h, b_enc = self.enc.forward_backward(p, key_mask=mask)
+        q, b_pool = self.pool.forward_backward(h, mask)
+        out, b_head = self.head.forward_backward(q)
+
+        def backprop(g):
+            b_emb(b_pos(b_enc(b_pool(b_head(g)[0])[0])[0])[0])
             return None, None
         return out, backprop
 
@@ -125,6 +161,31 @@ def test_tiny_classifier_converges_in_fixed_steps(model_seed):
         assert {"epoch", "loss", "steps", "seconds", "lr", "val_loss", "val_accuracy",
                 "interrupted"} <= set(r)
     assert [r["epoch"] for r in hist] == list(range(15))
+
+
+def run_transformer(epochs=4):
+    model = TransformerClassifier(seed=0)
+    opt = Adam(model, lr=0.01)
+    held = train.bucket_batches(HELD_SEQS, HELD_LABELS, batch_size=128, shuffle=False)
+    hist = train.fit(model, train.classification_loss(), opt,
+                     lambda e: train.bucket_batches(SEQS, LABELS, batch_size=32, seed=100 + e),
+                     epochs=epochs, valid=train.classification_eval(held),
+                     schedule=WarmupCosine(opt, 16, 16 * epochs), keep_best=("val_accuracy", "max"),
+                     progress=False)
+    return model, hist
+
+
+def test_transformer_classifier_trains_with_dropout_schedule_and_keep_best():
+    held = train.bucket_batches(HELD_SEQS, HELD_LABELS, batch_size=128, shuffle=False)
+    assert accuracy(TransformerClassifier(seed=0), held) < 0.75
+    model, hist = run_transformer()
+    assert [r["steps"] for r in hist] == [16] * 4
+    assert accuracy(model, held) >= 0.95  # the restored best epoch, in eval mode
+    assert hist.best["val_accuracy"] == max(r["val_accuracy"] for r in hist)
+    assert hist[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ran to its end
+    model2, hist2 = run_transformer()  # dropout is seeded: the run repeats bit for bit
+    assert same_params(params(model), params(model2))
+    assert [r["loss"] for r in hist] == [r["loss"] for r in hist2]
 
 
 def test_a_broken_backward_does_not_converge():
@@ -491,6 +552,8 @@ def test_fit_bad_arguments():
         train.fit(model, mse_loss, opt, b, epochs=1, checkpoint=3)
     with pytest.raises(TypeError, match=r"seed: expected None, an int"):
         train.fit(model, mse_loss, opt, b, epochs=1, seed="x")
+    with pytest.raises(TypeError, match=r"batches: seed reorders a sequence of batches; got generator"):
+        train.fit(model, mse_loss, opt, (x for x in b), epochs=1, seed=0)
     with pytest.raises(TypeError, match=r"loss_fn \(step 0\): expected a real number, got str"):
         train.fit(model, lambda m, bt: "low", opt, b, epochs=1)
     with pytest.raises(TypeError, match=r"loss_fn \(step 0\): expected a loss .* tuple of 3"):
@@ -622,6 +685,8 @@ def test_bucket_batches_bad_input():
         train.bucket_batches([[1]], batch_size=2, seed=1.5)
     with pytest.raises(TypeError, match=r"pad_id: expected an integer, got str"):
         train.bucket_batches([[1]], batch_size=2, pad_id="0")
+    with pytest.raises(ValueError, match=r"pad_id: expected an int64 id"):
+        train.bucket_batches([[1]], batch_size=2, pad_id=2 ** 63)
 
 
 def test_bucket_batches_accepts_a_2d_array():
