@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import functional as F
+from ..losses import cross_entropy
 from ._base import (Layer, _config_seed, _rng, _similarity_config, as_float_input, check_dtype,
                     check_int, init_similarity_params, resolve_similarity)
 from .rnn import Embedding, Linear, RNNEncoder, rnn_class
@@ -472,6 +473,64 @@ class Seq2Seq(Layer):
         mem, state = self.encode(src, src_mask, lengths)
         logits, _, al = self.decoder.forward(tgt_in, state, mem)
         return (logits, al) if return_alignments else logits
+
+    def _bridge_backward(self, dstate):
+        """The gradient of the encoder's final state from the decoder's initial
+        state's (None for ``init_state="zeros"``: no path)."""
+        if self.init_state == "zeros" or dstate is None:
+            return None
+        D = self.encoder.rnn.num_directions
+
+        def split(d):  # (L, B, D * H) -> (L * D, B, H), the inverse of _bridge's merge
+            if D == 1:
+                return d
+            L, B, DH = d.shape
+            H = DH // D
+            out = np.empty((L * D, B, H), d.dtype)
+            for k in range(D):
+                out[k::D] = d[..., k * H:(k + 1) * H]
+            return out
+
+        if isinstance(dstate, tuple):
+            return tuple(split(d) for d in dstate)
+        return split(dstate)
+
+    def forward_backward(self, src, tgt_in, src_mask=None, *, lengths=None):
+        """Teacher-forced :meth:`forward` with its backward: ``(logits (B, T, V),
+        backprop)``; ``backprop(grad_logits)`` adds the gradients of the
+        encoder's and the decoder's parameters into their :attr:`grads`
+        (through the decoder's attention over the encoder states and, with
+        ``init_state="encoder"``, through the bridge of the encoder's final
+        state) and returns ``(None, None)`` (ids have no gradient)."""
+        (out, final, mask), back_enc = self.encoder.forward_backward(src, lengths=lengths,
+                                                                     src_mask=src_mask)
+        B = out.shape[0]
+        state = self._bridge(final, B)
+        (logits, _), back_dec = self.decoder.forward_backward(
+            tgt_in, state, out, mask if not mask.all() else None)
+
+        def backprop(grad_logits):
+            _, dstate, dmem = back_dec(grad_logits)
+            back_enc(dmem, self._bridge_backward(dstate))
+            return None, None
+        return logits, backprop
+
+    def loss_and_grads(self, src, tgt_in, tgt_out, src_mask=None, *, lengths=None):
+        """Teacher-forced mean cross entropy of ``tgt_out (B, T)`` (targets equal
+        to ``pad_id`` ignored, :func:`fastattn.losses.cross_entropy`) given
+        ``tgt_in``; adds its gradients into every parameter's :attr:`grads`
+        (call :meth:`zero_grad` first for a fresh step) and returns the loss
+        (a float; nan when every target is padding)."""
+        logits, backprop = self.forward_backward(src, tgt_in, src_mask, lengths=lengths)
+        B, T, V = logits.shape
+        tgt = np.asarray(tgt_out)
+        if tgt.dtype.kind not in "iu":
+            raise TypeError(f"tgt_out: expected an integer array of token ids, got dtype {tgt.dtype}")
+        if tgt.shape != (B, T):
+            raise ValueError(f"tgt_out: expected shape ({B}, {T}) (that of tgt_in), got {tgt.shape}")
+        loss, g = cross_entropy(logits.reshape(B * T, V), tgt.reshape(B * T), ignore_index=self.pad_id)
+        backprop(np.asarray(g).reshape(B, T, V))
+        return float(loss)
 
     def step(self, tokens, state, memory):
         """One incremental step; see :meth:`AttentionDecoder.step`."""

@@ -1,17 +1,18 @@
-"""AttentionDecoder.forward_backward: the forward against the inference path
-(precomputed keys), every gradient (parameters, initial state, encoder memory)
-against torch autograd on an explicit float64 decoder loop written from
-seq2seq.py's math (Bahdanau-additive-GRU, Luong-general-LSTM), and central
-finite differences of the inference forward for the other similarity / cell /
-layer combinations.
-Upstream gradients are random; sources are padded (masked memory positions
+"""AttentionDecoder.forward_backward and Seq2Seq.forward_backward /
+loss_and_grads: the forward against the inference path (precomputed keys),
+every gradient (parameters, initial state, encoder memory) against torch
+autograd on an explicit float64 decoder loop written from seq2seq.py's math
+(Bahdanau-additive-GRU, Luong-general-LSTM), and central finite differences of
+the inference forward for the other similarity / cell / layer combinations and
+the whole model.  Upstream gradients are random; sources are padded (masked memory positions
 must get exactly zero gradient)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastattn.layers import AttentionDecoder
+from fastattn.layers import AttentionDecoder, RNNEncoder, Seq2Seq
+from fastattn.losses import cross_entropy
 
 V, E, H = 7, 5, 6
 B, S, T = 3, 5, 4
@@ -298,3 +299,114 @@ def test_decoder_empty_target_and_errors():
         dec.forward_backward(tgt.astype(float), st, mem, mask)
     with pytest.raises(TypeError, match="memory_mask"):
         dec.forward_backward(tgt, st, mem, mask.astype(int))
+
+
+# ------------------------------------------------------------------ Seq2Seq
+def make_model(cell="gru", bidirectional=True, num_layers=1, init_state="encoder",
+               style="bahdanau", sim="additive"):
+    Dn = 2 if bidirectional else 1
+    enc = RNNEncoder(V, 4, 3, cell=cell, num_layers=num_layers, bidirectional=bidirectional,
+                     padding_idx=0, seed=3, dtype=np.float64)
+    dec = AttentionDecoder(V, 5, Dn * 3, Dn * 3, style=style, similarity=sim, attn_dim=4, cell=cell,
+                           num_layers=num_layers, seed=4, dtype=np.float64)
+    m = Seq2Seq(enc, dec, bos_id=1, eos_id=2, pad_id=0, init_state=init_state)
+    rng = np.random.default_rng(9)
+    m.load_state_dict({k: v + 0.3 * rng.standard_normal(v.shape) for k, v in m.state_dict().items()})
+    return m
+
+
+def s2s_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.arange(S)[None, :] < LENGTHS[:, None]
+    src = np.where(mask, rng.integers(3, V, (B, S)), 0)
+    tgt = rng.integers(3, V, (B, T + 1))
+    tgt[:, 0] = 1
+    tgt[2, 3:] = 0  # padding in the targets (ignored by the loss)
+    return src, mask, tgt[:, :-1], tgt[:, 1:]
+
+
+def fd_model(model, value, rng, entries=3, eps=1e-6, rtol=1e-6, atol=1e-9):
+    grads = dict(model.named_grads())
+    for n, arr in model.named_parameters():
+        for _ in range(entries):
+            idx = tuple(int(rng.integers(k)) for k in arr.shape)
+            old = arr[idx].copy()
+            arr[idx] = old + eps
+            hi = value()
+            arr[idx] = old - eps
+            lo = value()
+            arr[idx] = old
+            fd = (hi - lo) / (2 * eps)
+            assert abs(grads[n][idx] - fd) <= atol + rtol * abs(fd), (n, idx, grads[n][idx], fd)
+
+
+MODELS = [
+    dict(cell="gru", bidirectional=True, num_layers=1, init_state="encoder", style="bahdanau", sim="additive"),
+    dict(cell="lstm", bidirectional=True, num_layers=2, init_state="encoder", style="luong", sim="general"),
+    dict(cell="rnn", bidirectional=False, num_layers=2, init_state="encoder", style="bahdanau", sim="concat"),
+    dict(cell="lstm", bidirectional=False, num_layers=1, init_state="zeros", style="bahdanau", sim="dot"),
+    dict(cell="gru", bidirectional=True, num_layers=2, init_state="zeros", style="luong", sim="cosine"),
+]
+
+
+@pytest.mark.parametrize("kw", MODELS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_seq2seq_forward_backward_finite_differences(kw):
+    model = make_model(**kw)
+    src, mask, tgt_in, _ = s2s_batch()
+    logits, backprop = model.forward_backward(src, tgt_in, mask)
+    np.testing.assert_allclose(logits, model.forward(src, tgt_in, mask), rtol=1e-12, atol=1e-12)
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal(logits.shape)
+    model.zero_grad()
+    assert backprop(g) == (None, None)
+    # every parameter gets a gradient (the encoder through the memory and the bridge)
+    for n, a in model.named_grads():
+        assert np.abs(a).max() > 0, n
+    fd_model(model, lambda: float(np.sum(model.forward(src, tgt_in, mask) * g)), rng)
+
+
+def test_seq2seq_bridge_gradient():
+    """_bridge_backward is the adjoint of _bridge's merge of a bidirectional
+    encoder's directions (the end-to-end checks above cover it too); none for
+    init_state='zeros'."""
+    model = make_model(cell="lstm", bidirectional=True, num_layers=2)
+    rng = np.random.default_rng(4)
+    dh = rng.standard_normal((2, B, 6))
+    dc = rng.standard_normal((2, B, 6))
+    back = model._bridge_backward((dh, dc))
+    h = rng.standard_normal((4, B, 3))
+    c = rng.standard_normal((4, B, 3))
+    mh, mc = model._bridge((h, c), B)
+    # <d, merge(x)> == <split(d), x>: the split is the adjoint of the merge
+    np.testing.assert_allclose(np.sum(dh * mh) + np.sum(dc * mc),
+                               np.sum(back[0] * h) + np.sum(back[1] * c), rtol=1e-12)
+    np.testing.assert_array_equal(back[0][1::2], dh[..., 3:])
+    assert make_model(init_state="zeros")._bridge_backward(np.ones((1, B, 6))) is None
+
+
+@pytest.mark.parametrize("kw", [MODELS[0], MODELS[1]], ids=["gru-bahdanau", "lstm-luong"])
+def test_seq2seq_loss_and_grads(kw):
+    model = make_model(**kw)
+    src, mask, tgt_in, tgt_out = s2s_batch(1)
+    lengths = mask.sum(1)
+
+    def value():
+        lg = model.forward(src, tgt_in, lengths=lengths)
+        return float(cross_entropy(lg.reshape(-1, V), tgt_out.reshape(-1), ignore_index=0)[0])
+
+    model.zero_grad()
+    loss = model.loss_and_grads(src, tgt_in, tgt_out, lengths=lengths)
+    assert isinstance(loss, float)
+    assert loss == pytest.approx(value(), rel=1e-12)
+    fd_model(model, value, np.random.default_rng(12))
+    # the padded target positions contribute nothing: changing their logits' source
+    # (the input token after the end) leaves the gradients and the loss unchanged
+    g1 = {n: a.copy() for n, a in model.named_grads()}
+    model.zero_grad()
+    tgt_in2 = tgt_in.copy()
+    tgt_in2[2, 3] = 5
+    assert model.loss_and_grads(src, tgt_in2, tgt_out, lengths=lengths) == pytest.approx(loss, rel=1e-12)
+    for n, a in model.named_grads():
+        np.testing.assert_allclose(a, g1[n], rtol=1e-12, atol=1e-14, err_msg=n)
+    with pytest.raises(ValueError, match="tgt_out"):
+        model.loss_and_grads(src, tgt_in, tgt_out[:, :-1], mask)
