@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import functional as F
+from ..losses import cross_entropy
 from ._base import (Layer, _config_seed, _rng, _similarity_config, as_float_input, check_dtype,
                     check_int, init_similarity_params, resolve_similarity)
 from .rnn import Embedding, Linear, RNNEncoder, rnn_class
@@ -131,6 +132,15 @@ class AttentionDecoder(Layer):
         """Prepare the encoder states ``memory (B, S, D)`` (mask ``(B, S)`` bool,
         True = real token) for :meth:`step` / :meth:`forward`: the key-only part
         of the score is applied here, once."""
+        memory, mask, ct = self._check_memory(memory, memory_mask)
+        raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
+        params = self.similarity.check_params(raw or None, self.hidden_size, self.memory_dim, ct)
+        sim, sparams, keys = self.similarity.precompute_keys(memory.astype(ct, copy=False), params)
+        return Memory(memory, keys, sim, sparams, mask,
+                      F.PreparedAttention(keys, memory, sim, params=sparams, attn_mask=mask))
+
+    def _check_memory(self, memory, memory_mask):
+        """The validated ``(memory (B, S, D), mask (B, 1, S) bool or None, compute dtype)``."""
         memory = as_float_input(memory, "memory", (3,), last=self.memory_dim)
         B, S, _ = memory.shape
         mask = None
@@ -141,12 +151,7 @@ class AttentionDecoder(Layer):
             if m.shape != (B, S):
                 raise ValueError(f"memory_mask: expected shape ({B}, {S}), got {m.shape}")
             mask = m[:, None, :].copy()
-        ct = np.result_type(memory.dtype, self.dtype)
-        raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
-        params = self.similarity.check_params(raw or None, self.hidden_size, self.memory_dim, ct)
-        sim, sparams, keys = self.similarity.precompute_keys(memory.astype(ct, copy=False), params)
-        return Memory(memory, keys, sim, sparams, mask,
-                      F.PreparedAttention(keys, memory, sim, params=sparams, attn_mask=mask))
+        return memory, mask, np.result_type(memory.dtype, self.dtype)
 
     def _attend(self, query, mem: Memory):
         """query (B, Lq, H) → context (B, Lq, D), weights (B, Lq, S)."""
@@ -236,6 +241,152 @@ class AttentionDecoder(Layer):
             return (np.zeros((B, 0, self.vocab_size), self.dtype), state, np.zeros((B, 0, S), self.dtype))
         return np.stack(logits, axis=1), state, np.stack(aligns, axis=1)
 
+    # ----------------------------------------------------------- training
+    def forward_backward(self, tgt_in, state, memory_values, memory_mask=None):
+        """Teacher-forced :meth:`forward` with its backward.
+
+        tgt_in : (B, T) ints; state : the initial decoder state (``(num_layers,
+        B, H)``, ``(h, c)`` for LSTM; None: zeros); memory_values : the encoder
+        states ``(B, S, D)`` (not a :class:`Memory`: their gradient is
+        returned); memory_mask : ``(B, S)`` bool, True = real token.
+
+        Returns ``((logits (B, T, V), final_state), backprop)``;
+        ``backprop(grad_logits, grad_state=None)`` (grad_state: dL/d(final
+        state) in its structure, LSTM parts may be None) adds every parameter
+        gradient (embedding, rnn, combine, out, ``attn.*``) into the
+        :attr:`grads` and returns ``(None, dstate, dmemory)``: dstate in the
+        initial state's structure (None when no state was given), dmemory
+        ``(B, S, D)``, zero at masked positions.
+
+        The scores are computed from the raw similarity on ``(query, values,
+        values)`` (no precomputed keys), so the attention backward
+        differentiates the key-only part of the score too and dmemory holds
+        both the key and the value paths.  Bahdanau steps one cell at a time
+        (each keeping its RNN tape and the attention's output and lse);
+        Luong runs the cell over all steps and one attention call.
+        """
+        values, mask, ct = self._check_memory(memory_values, memory_mask)
+        tgt = np.asarray(tgt_in)
+        if tgt.dtype.kind not in "iu":
+            raise TypeError(f"tgt_in: expected an integer array of token ids, got dtype {tgt.dtype}")
+        B, S, D = values.shape
+        if tgt.ndim != 2 or tgt.shape[0] != B:
+            raise ValueError(f"tgt_in: expected shape ({B}, T), got {tgt.shape}")
+        tgt = tgt.copy()
+        T = tgt.shape[1]
+        H, V, L = self.hidden_size, self.vocab_size, self.rnn.num_layers
+        lstm = self._config["cell"] == "lstm"
+        given = state is not None
+        st = self.rnn._check_state(state, B, False, ct)
+        state0 = (st[0], st[1]) if lstm else st[0]
+        vals = values.astype(ct, copy=False)
+        sim = self.similarity
+        raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
+        params = sim.check_params(raw or None, H, D, ct)
+
+        def attend(q):
+            return F.attention(q, vals, vals, sim, params=params, attn_mask=mask, return_lse=True)
+
+        def attend_backward(g, q, out, lse):
+            dq, dk, dv, dp = F.attention_backward(g, q, vals, vals, sim, params=params, out=out,
+                                                  lse=lse, attn_mask=mask)
+            grads = self.grads
+            for k, d in (dp or {}).items():
+                if f"attn.{k}" in grads:
+                    grads[f"attn.{k}"] += d
+            return dq, dk + dv
+
+        def grad_state_list(grad_state):
+            names = ("grad_h_n", "grad_c_n") if lstm else ("grad_h_n",)
+            if lstm:
+                if grad_state is not None and (not isinstance(grad_state, (tuple, list))
+                                               or len(grad_state) != 2):
+                    raise TypeError("grad_state: expected (grad_h_n, grad_c_n) for LSTM, got "
+                                    f"{type(grad_state).__name__}")
+                parts = [None, None] if grad_state is None else list(grad_state)
+            else:
+                parts = [grad_state]
+            out = []
+            for name, a in zip(names, parts):
+                if a is None:
+                    out.append(np.zeros((L, B, H), ct))
+                    continue
+                a = np.asarray(a)
+                if a.shape != (L, B, H):
+                    raise ValueError(f"grad_state: expected {name} of shape {(L, B, H)}, got {a.shape}")
+                out.append(np.array(a, dtype=ct))
+            return out
+
+        def check_grad_logits(grad_logits):
+            g = np.asarray(grad_logits)
+            if g.shape != (B, T, V):
+                raise ValueError(f"grad_logits: expected shape {(B, T, V)}, got {g.shape}")
+            return g.astype(ct, copy=False)
+
+        def pack(parts):
+            return tuple(parts) if lstm else parts[0]
+
+        def result(dstate, dmem):
+            return None, (pack(dstate) if given else None), dmem.astype(values.dtype, copy=False)
+
+        if T == 0:
+            def backprop_empty(grad_logits, grad_state=None):
+                check_grad_logits(grad_logits)
+                return result(grad_state_list(grad_state), np.zeros((B, S, D), ct))
+            return (np.zeros((B, 0, V), ct), state0), backprop_empty
+
+        emb, back_emb = self.embedding.forward_backward(tgt)
+        emb = emb.astype(ct, copy=False)
+        E = emb.shape[-1]
+
+        if self.style == "luong":
+            (outs, final), back_rnn = self.rnn.forward_backward(emb, state0)
+            ctx, lse = attend(outs)
+            z, back_comb = self.combine.forward_backward(np.concatenate([ctx, outs], axis=-1))
+            ht = np.tanh(z)
+            logits, back_out = self.out.forward_backward(ht)
+
+            def backprop(grad_logits, grad_state=None):
+                g = check_grad_logits(grad_logits)
+                gs = grad_state_list(grad_state)
+                (dht,) = back_out(g)
+                (dcat,) = back_comb(dht * (1 - ht * ht))
+                dq, dmem = attend_backward(dcat[..., :D], outs, ctx, lse)
+                dx, dstate = back_rnn(dcat[..., D:] + dq, pack(gs))
+                back_emb(dx)
+                return result(list(dstate) if lstm else [dstate], dmem)
+            return (logits, final), backprop
+
+        # Bahdanau: the score of step t reads s_{t-1}
+        tape, tops = [], []
+        cur = state0
+        for t in range(T):
+            q = self._top(cur)[:, None, :]
+            ctx, lse = attend(q)
+            x = np.concatenate([emb[:, t], ctx[:, 0]], axis=-1)
+            (o, cur), back_rnn = self.rnn.forward_backward(x[:, None], cur)
+            tape.append((q, ctx, lse, back_rnn))
+            tops.append(o[:, 0])
+        logits, back_out = self.out.forward_backward(np.stack(tops, axis=1))
+
+        def backprop(grad_logits, grad_state=None):
+            g = check_grad_logits(grad_logits)
+            dst = grad_state_list(grad_state)
+            (dtop,) = back_out(g)
+            dmem = np.zeros((B, S, D), ct)
+            de = np.zeros((B, T, E), ct)
+            for t in reversed(range(T)):
+                q, ctx, lse, back_rnn = tape[t]
+                dx, dprev = back_rnn(dtop[:, t:t + 1], pack(dst))
+                de[:, t] = dx[:, 0, :E]
+                dq, dm = attend_backward(dx[:, :, E:], q, ctx, lse)
+                dmem += dm
+                dst = [np.array(a, dtype=ct) for a in (dprev if lstm else (dprev,))]
+                dst[0][-1] += dq[:, 0]
+            back_emb(de)
+            return result(dst, dmem)
+        return (logits, cur), backprop
+
 
 class Seq2Seq(Layer):
     """``RNNEncoder`` + ``AttentionDecoder``.
@@ -322,6 +473,64 @@ class Seq2Seq(Layer):
         mem, state = self.encode(src, src_mask, lengths)
         logits, _, al = self.decoder.forward(tgt_in, state, mem)
         return (logits, al) if return_alignments else logits
+
+    def _bridge_backward(self, dstate):
+        """The gradient of the encoder's final state from the decoder's initial
+        state's (None for ``init_state="zeros"``: no path)."""
+        if self.init_state == "zeros" or dstate is None:
+            return None
+        D = self.encoder.rnn.num_directions
+
+        def split(d):  # (L, B, D * H) -> (L * D, B, H), the inverse of _bridge's merge
+            if D == 1:
+                return d
+            L, B, DH = d.shape
+            H = DH // D
+            out = np.empty((L * D, B, H), d.dtype)
+            for k in range(D):
+                out[k::D] = d[..., k * H:(k + 1) * H]
+            return out
+
+        if isinstance(dstate, tuple):
+            return tuple(split(d) for d in dstate)
+        return split(dstate)
+
+    def forward_backward(self, src, tgt_in, src_mask=None, *, lengths=None):
+        """Teacher-forced :meth:`forward` with its backward: ``(logits (B, T, V),
+        backprop)``; ``backprop(grad_logits)`` adds the gradients of the
+        encoder's and the decoder's parameters into their :attr:`grads`
+        (through the decoder's attention over the encoder states and, with
+        ``init_state="encoder"``, through the bridge of the encoder's final
+        state) and returns ``(None, None)`` (ids have no gradient)."""
+        (out, final, mask), back_enc = self.encoder.forward_backward(src, lengths=lengths,
+                                                                     src_mask=src_mask)
+        B = out.shape[0]
+        state = self._bridge(final, B)
+        (logits, _), back_dec = self.decoder.forward_backward(
+            tgt_in, state, out, mask if not mask.all() else None)
+
+        def backprop(grad_logits):
+            _, dstate, dmem = back_dec(grad_logits)
+            back_enc(dmem, self._bridge_backward(dstate))
+            return None, None
+        return logits, backprop
+
+    def loss_and_grads(self, src, tgt_in, tgt_out, src_mask=None, *, lengths=None):
+        """Teacher-forced mean cross entropy of ``tgt_out (B, T)`` (targets equal
+        to ``pad_id`` ignored, :func:`fastattn.losses.cross_entropy`) given
+        ``tgt_in``; adds its gradients into every parameter's :attr:`grads`
+        (call :meth:`zero_grad` first for a fresh step) and returns the loss
+        (a float; nan when every target is padding)."""
+        logits, backprop = self.forward_backward(src, tgt_in, src_mask, lengths=lengths)
+        B, T, V = logits.shape
+        tgt = np.asarray(tgt_out)
+        if tgt.dtype.kind not in "iu":
+            raise TypeError(f"tgt_out: expected an integer array of token ids, got dtype {tgt.dtype}")
+        if tgt.shape != (B, T):
+            raise ValueError(f"tgt_out: expected shape ({B}, {T}) (that of tgt_in), got {tgt.shape}")
+        loss, g = cross_entropy(logits.reshape(B * T, V), tgt.reshape(B * T), ignore_index=self.pad_id)
+        backprop(np.asarray(g).reshape(B, T, V))
+        return float(loss)
 
     def step(self, tokens, state, memory):
         """One incremental step; see :meth:`AttentionDecoder.step`."""
