@@ -25,6 +25,8 @@ from . import layers  # the public subpackage fastattn.layers (pure Python)
 from . import losses  # fastattn.losses: cross_entropy, binary_cross_entropy_with_logits, mse
 from . import optim  # fastattn.optim: SGD, Adam, AdamW, clip_grad_norm, schedules
 from ._checkpoint import load, save
+from . import train  # fastattn.train: fit, bucket_batches
+from .train import fit
 
 __version__ = "0.1.0"
 
@@ -90,5 +92,7 @@ __all__ = [
     "load",
     "losses",
     "optim",
+    "train",
+    "fit",
     "__version__",
 ]

@@ -43,6 +43,7 @@ LAYERS = [
                 "fastattn.layers.transformer", "fastattn.testing"}),
     # checkpoints: the public layer classes are its allow-list
     ("checkpoint", {"fastattn._checkpoint"}),
+    ("training", {"fastattn.train"}),
     ("package", {"fastattn"}),
     # tools on top of the public package
     ("tools", {"fastattn._bench", "fastattn.dask"}),
