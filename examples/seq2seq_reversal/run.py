@@ -1,5 +1,5 @@
 """Decode with the Bahdanau seq2seq model shipped in ``reversal_weights.npz``
-(trained by ``train_torch.py``) using fastattn only -- no torch needed.
+(trained by ``train.py``) using fastattn only -- no torch needed.
 
     python run.py [--png attention.png]
 
