@@ -168,7 +168,7 @@ def test_memory_gradient_includes_the_key_path():
 
 # ---------------------------------------------------------- finite differences
 def fd_check(dec, mem, mask, tgt, st, g_logits, g_state, grads, dstate, dmem, rng, entries=3,
-             eps=1e-6, rtol=1e-6, atol=1e-9):
+             eps=1e-6, rtol=1e-6, atol=1e-8):
     """Central differences of the inference path (precompute + forward) of
     <g_logits, logits> + <g_state, final_state>, perturbing a few entries of
     every parameter, of the initial state and of the real memory positions."""
@@ -325,7 +325,7 @@ def s2s_batch(seed=0):
     return src, mask, tgt[:, :-1], tgt[:, 1:]
 
 
-def fd_model(model, value, rng, entries=3, eps=1e-6, rtol=1e-6, atol=1e-9):
+def fd_model(model, value, rng, entries=3, eps=1e-6, rtol=1e-6, atol=1e-8):
     grads = dict(model.named_grads())
     for n, arr in model.named_parameters():
         for _ in range(entries):
