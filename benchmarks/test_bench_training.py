@@ -11,6 +11,14 @@ fastattn against torch in the same run, 2 threads, float32.
   fastattn has none (its streaming kernel never holds the weights); that also
   leaves torch its fused attention kernel.
 
+* ``seq2seq``: GRU encoder + Bahdanau decoder with additive attention, B=32
+  S=T=32, E=H=256 (d_a=256), V=1000, teacher forced, a quarter of the
+  sources padded to half length, cross-entropy (pad ignored), Adam.
+  fastattn: ``Seq2Seq.loss_and_grads`` and ``fastattn.optim.Adam``; torch:
+  ``nn.Embedding`` + ``nn.GRU`` (packed) encoder and a decoder loop of
+  ``nn.GRUCell`` on ``[embedding; context]`` with ``v·tanh(W_q s + W_k h +
+  b)`` attention (the PyTorch seq2seq tutorial's layout), the same weights.
+
 Before timing, one step of each from the same weights is checked: the
 losses agree (dropout off for the check; the masks are the libraries' own
 when timing).
@@ -118,4 +126,109 @@ def test_train_step_encoder(benchmark, impl):
         _, tstep = torch_encoder(fa)
         tx, tm, ty = torch.from_numpy(x), torch.from_numpy(mask), torch.from_numpy(y)
         fn = lambda: tstep(tx, tm, ty)  # noqa: E731
+    _bench.time_benchmark(benchmark, fn)
+
+
+# ------------------------------------------------------------ seq2seq
+SB, SS, ST, SE, SV = 32, 32, 32, 256, 1000
+
+
+def seq2seq_data():
+    rng = np.random.default_rng(3)
+    lengths = np.where(np.arange(SB) % 4 == 0, SS // 2, SS)
+    mask = np.arange(SS)[None, :] < lengths[:, None]
+    src = np.where(mask, rng.integers(3, SV, (SB, SS)), 0)
+    tgt = rng.integers(3, SV, (SB, ST + 1))
+    tgt[:, 0] = 1
+    return src, mask, tgt[:, :-1], tgt[:, 1:]
+
+
+def fastattn_seq2seq():
+    enc = L.RNNEncoder(SV, SE, SE, padding_idx=0, seed=4)
+    dec = L.AttentionDecoder(SV, SE, SE, SE, style="bahdanau", similarity="additive",
+                             attn_dim=SE, seed=5)
+    model = L.Seq2Seq(enc, dec, bos_id=1, eos_id=2, pad_id=0)
+    opt = optim.Adam(model, lr=1e-4)
+
+    def step(src, mask, tgt_in, tgt_out):
+        model.zero_grad()
+        loss = model.loss_and_grads(src, tgt_in, tgt_out, mask)
+        opt.step()
+        return loss
+    return model, step
+
+
+def torch_seq2seq(model):
+    nn = torch.nn
+    sd = {n: torch.from_numpy(np.array(a)) for n, a in model.named_parameters()}
+    emb_e, gru = nn.Embedding(SV, SE, padding_idx=0), nn.GRU(SE, SE, batch_first=True)
+    emb_d, cell = nn.Embedding(SV, SE), nn.GRUCell(2 * SE, SE)
+    W_q, W_k = nn.Linear(SE, SE, bias=False), nn.Linear(SE, SE, bias=False)
+    b, v = nn.Parameter(torch.zeros(SE)), nn.Parameter(torch.zeros(SE))
+    out = nn.Linear(SE, SV)
+    with torch.no_grad():
+        emb_e.weight.copy_(sd["encoder.embedding.weight"])
+        for n in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"):
+            getattr(gru, n).copy_(sd[f"encoder.rnn.{n}"])
+            getattr(cell, n[:-3]).copy_(sd[f"decoder.rnn.{n}"])
+        emb_d.weight.copy_(sd["decoder.embedding.weight"])
+        W_q.weight.copy_(sd["decoder.attn.W_q"])
+        W_k.weight.copy_(sd["decoder.attn.W_k"])
+        b.copy_(sd["decoder.attn.b"])
+        v.copy_(sd["decoder.attn.v"])
+        out.weight.copy_(sd["decoder.out.weight"])
+        out.bias.copy_(sd["decoder.out.bias"])
+    params = [*emb_e.parameters(), *gru.parameters(), *emb_d.parameters(), *cell.parameters(),
+              *W_q.parameters(), *W_k.parameters(), b, v, *out.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-4)
+
+    def step(src, mask, tgt_in, tgt_out):
+        opt.zero_grad()
+        lengths = mask.sum(1)
+        packed = nn.utils.rnn.pack_padded_sequence(emb_e(src), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        mem, h = gru(packed)
+        mem, _ = nn.utils.rnn.pad_packed_sequence(mem, batch_first=True, total_length=SS)
+        s = h[0]
+        keys = W_k(mem)
+        e = emb_d(tgt_in)
+        logits = []
+        for t in range(ST):
+            sc = torch.tanh(W_q(s)[:, None, :] + keys + b) @ v
+            a = torch.softmax(sc.masked_fill(~mask, float("-inf")), -1)
+            ctx = torch.einsum("bs,bsd->bd", a, mem)
+            s = cell(torch.cat([e[:, t], ctx], -1), s)
+            logits.append(out(s))
+        loss = nn.functional.cross_entropy(torch.stack(logits, 1).reshape(-1, SV),
+                                           tgt_out.reshape(-1), ignore_index=0)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def _s2s_params():
+    for impl in ("fastattn", "torch"):
+        marks = [pytest.mark.benchmark(group="train step seq2seq")]
+        if impl == "torch" and torch is None:
+            marks.append(pytest.mark.skip(reason="torch is not importable"))
+        yield pytest.param(impl, id=f"seq2seq-{impl}", marks=marks)
+
+
+@pytest.mark.parametrize("impl", list(_s2s_params()))
+def test_train_step_seq2seq(benchmark, impl):
+    data = seq2seq_data()
+    model, fa_step = fastattn_seq2seq()
+    benchmark.extra_info.update(kind="train_step", case="seq2seq", impl=impl, threads=N_THREADS)
+    tdata = None
+    if torch is not None:   # the same first loss from the same weights
+        tdata = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in data)
+        t_step = torch_seq2seq(model)
+        np.testing.assert_allclose(fa_step(*data), t_step(*tdata), rtol=1e-4)
+        _bench.quiesce()
+    if impl == "fastattn":
+        fn = lambda: fa_step(*data)  # noqa: E731
+    else:
+        t_step = torch_seq2seq(model)
+        fn = lambda: t_step(*tdata)  # noqa: E731
     _bench.time_benchmark(benchmark, fn)
