@@ -284,17 +284,43 @@ class AttentionDecoder(Layer):
         raw = {k[5:]: v for k, v in self._params.items() if k.startswith("attn.")}
         params = sim.check_params(raw or None, H, D, ct)
 
+        # additive (Bahdanau) scores: the keys' projection W_k h once per call,
+        # not at every step (forward and backward); its gradient summed over the
+        # steps and taken back through the projection once, at the end (flush)
+        pre = None
+        if sim.name == "additive" and not getattr(sim, "normalize", False):
+            psim, pparams, kp = sim.precompute_keys(vals, params)
+            pre = {"wk": params["W_k"], "dkp": None}
+
         def attend(q):
+            if pre is not None:
+                return F.attention(q, kp, vals, psim, params=pparams, attn_mask=mask,
+                                   return_lse=True)
             return F.attention(q, vals, vals, sim, params=params, attn_mask=mask, return_lse=True)
 
         def attend_backward(g, q, out, lse):
-            dq, dk, dv, dp = F.attention_backward(g, q, vals, vals, sim, params=params, out=out,
-                                                  lse=lse, attn_mask=mask)
+            if pre is not None:
+                dq, dk, dv, dp = F.attention_backward(g, q, kp, vals, psim, params=pparams,
+                                                      out=out, lse=lse, attn_mask=mask)
+                pre["dkp"] = dk if pre["dkp"] is None else pre["dkp"] + dk
+            else:
+                dq, dk, dv, dp = F.attention_backward(g, q, vals, vals, sim, params=params,
+                                                      out=out, lse=lse, attn_mask=mask)
+                dv = dk + dv
             grads = self.grads
             for k, d in (dp or {}).items():
                 if f"attn.{k}" in grads:
                     grads[f"attn.{k}"] += d
-            return dq, dk + dv
+            return dq, dv
+
+        def flush_keys(dmem):
+            """dmem plus the gradient through the keys' projection (additive)."""
+            if pre is None or pre["dkp"] is None:
+                return dmem
+            dvk, dwk, _ = F.linear_backward(pre["dkp"], vals, pre["wk"])
+            pre["dkp"] = None
+            self.grads["attn.W_k"] += dwk
+            return dmem + dvk
 
         def grad_state_list(grad_state):
             names = ("grad_h_n", "grad_c_n") if lstm else ("grad_h_n",)
@@ -318,6 +344,8 @@ class AttentionDecoder(Layer):
             return out
 
         def check_grad_logits(grad_logits):
+            if pre is not None:
+                pre["dkp"] = None   # a new backprop call: nothing summed yet
             g = np.asarray(grad_logits)
             if g.shape != (B, T, V):
                 raise ValueError(f"grad_logits: expected shape {(B, T, V)}, got {g.shape}")
@@ -327,6 +355,7 @@ class AttentionDecoder(Layer):
             return tuple(parts) if lstm else parts[0]
 
         def result(dstate, dmem):
+            dmem = flush_keys(dmem)
             return None, (pack(dstate) if given else None), dmem.astype(values.dtype, copy=False)
 
         if T == 0:
