@@ -285,40 +285,40 @@ class AttentionDecoder(Layer):
         params = sim.check_params(raw or None, H, D, ct)
 
         # additive (Bahdanau) scores: the keys' projection W_k h once per call,
-        # not at every step (forward and backward); its gradient summed over the
-        # steps and taken back through the projection once, at the end (flush)
-        pre = None
-        if sim.name == "additive" and not getattr(sim, "normalize", False):
+        # not at every step (forward and backward); attend_backward returns the
+        # gradient of those keys, summed by the caller over the steps and taken
+        # back through the projection once (keys_backward)
+        pre = sim.name == "additive" and not getattr(sim, "normalize", False)
+        if pre:
             psim, pparams, kp = sim.precompute_keys(vals, params)
-            pre = {"wk": params["W_k"], "dkp": None}
 
         def attend(q):
-            if pre is not None:
+            if pre:
                 return F.attention(q, kp, vals, psim, params=pparams, attn_mask=mask,
                                    return_lse=True)
             return F.attention(q, vals, vals, sim, params=params, attn_mask=mask, return_lse=True)
 
         def attend_backward(g, q, out, lse):
-            if pre is not None:
-                dq, dk, dv, dp = F.attention_backward(g, q, kp, vals, psim, params=pparams,
-                                                      out=out, lse=lse, attn_mask=mask)
-                pre["dkp"] = dk if pre["dkp"] is None else pre["dkp"] + dk
+            """(dq, dmemory through the values -- and through the keys when they
+            are the memory itself --, d(projected keys) or None)."""
+            if pre:
+                dq, dkp, dv, dp = F.attention_backward(g, q, kp, vals, psim, params=pparams,
+                                                       out=out, lse=lse, attn_mask=mask)
             else:
                 dq, dk, dv, dp = F.attention_backward(g, q, vals, vals, sim, params=params,
                                                       out=out, lse=lse, attn_mask=mask)
-                dv = dk + dv
+                dv, dkp = dk + dv, None
             grads = self.grads
             for k, d in (dp or {}).items():
                 if f"attn.{k}" in grads:
                     grads[f"attn.{k}"] += d
-            return dq, dv
+            return dq, dv, dkp
 
-        def flush_keys(dmem):
-            """dmem plus the gradient through the keys' projection (additive)."""
-            if pre is None or pre["dkp"] is None:
+        def keys_backward(dmem, dkp):
+            """dmem plus the gradient through the keys' projection (dkp None: none)."""
+            if dkp is None:
                 return dmem
-            dvk, dwk, _ = F.linear_backward(pre["dkp"], vals, pre["wk"])
-            pre["dkp"] = None
+            dvk, dwk, _ = F.linear_backward(dkp, vals, params["W_k"])
             self.grads["attn.W_k"] += dwk
             return dmem + dvk
 
@@ -344,8 +344,6 @@ class AttentionDecoder(Layer):
             return out
 
         def check_grad_logits(grad_logits):
-            if pre is not None:
-                pre["dkp"] = None   # a new backprop call: nothing summed yet
             g = np.asarray(grad_logits)
             if g.shape != (B, T, V):
                 raise ValueError(f"grad_logits: expected shape {(B, T, V)}, got {g.shape}")
@@ -355,7 +353,6 @@ class AttentionDecoder(Layer):
             return tuple(parts) if lstm else parts[0]
 
         def result(dstate, dmem):
-            dmem = flush_keys(dmem)
             return None, (pack(dstate) if given else None), dmem.astype(values.dtype, copy=False)
 
         if T == 0:
@@ -380,7 +377,8 @@ class AttentionDecoder(Layer):
                 gs = grad_state_list(grad_state)
                 (dht,) = back_out(g)
                 (dcat,) = back_comb(dht * (1 - ht * ht))
-                dq, dmem = attend_backward(dcat[..., :D], outs, ctx, lse)
+                dq, dmem, dkp = attend_backward(dcat[..., :D], outs, ctx, lse)
+                dmem = keys_backward(dmem, dkp)
                 dx, dstate = back_rnn(dcat[..., D:] + dq, pack(gs))
                 back_emb(dx)
                 return result(list(dstate) if lstm else [dstate], dmem)
@@ -403,17 +401,20 @@ class AttentionDecoder(Layer):
             dst = grad_state_list(grad_state)
             (dtop,) = back_out(g)
             dmem = np.zeros((B, S, D), ct)
+            dkeys = None
             de = np.zeros((B, T, E), ct)
             for t in reversed(range(T)):
                 q, ctx, lse, back_rnn = tape[t]
                 dx, dprev = back_rnn(dtop[:, t:t + 1], pack(dst))
                 de[:, t] = dx[:, 0, :E]
-                dq, dm = attend_backward(dx[:, :, E:], q, ctx, lse)
+                dq, dm, dkp = attend_backward(dx[:, :, E:], q, ctx, lse)
                 dmem += dm
+                if dkp is not None:
+                    dkeys = dkp if dkeys is None else dkeys + dkp
                 dst = [np.array(a, dtype=ct) for a in (dprev if lstm else (dprev,))]
                 dst[0][-1] += dq[:, 0]
             back_emb(de)
-            return result(dst, dmem)
+            return result(dst, keys_backward(dmem, dkeys))
         return (logits, cur), backprop
 
 
