@@ -35,8 +35,8 @@ MIN_LEN, MAX_LEN = 3, 8
 
 
 def batch(rng, n):
-    """``train_torch.batch``: n random digit sequences, their lengths and the
-    teacher-forcing decoder input / target (reversed digits, then EOS)."""
+    """n random digit sequences, their lengths and the teacher-forcing decoder
+    input / target (reversed digits, then EOS); train_torch.py imports it."""
     lens = rng.integers(MIN_LEN, MAX_LEN + 1, n)
     src = np.full((n, MAX_LEN), PAD, np.int64)
     tgt_in = np.full((n, MAX_LEN + 1), PAD, np.int64)

@@ -16,27 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-PAD, BOS, EOS = 0, 1, 2
-DIGITS = [str(d) for d in range(10)]
-VOCAB = ["<pad>", "<s>", "</s>"] + DIGITS
-V, E, H = len(VOCAB), 16, 48
-MIN_LEN, MAX_LEN = 3, 8
-
-
-def batch(rng, n):
-    lens = rng.integers(MIN_LEN, MAX_LEN + 1, n)
-    src = np.full((n, MAX_LEN), PAD, np.int64)
-    tgt_in = np.full((n, MAX_LEN + 1), PAD, np.int64)
-    tgt_out = np.full((n, MAX_LEN + 1), PAD, np.int64)
-    for i, L in enumerate(lens):
-        seq = rng.integers(3, V, L)
-        src[i, :L] = seq
-        rev = seq[::-1]
-        tgt_in[i, 0] = BOS
-        tgt_in[i, 1:L + 1] = rev
-        tgt_out[i, :L] = rev
-        tgt_out[i, L] = EOS
-    return src, lens, tgt_in, tgt_out
+# the task's data and sizes: train.py's (one generator for both trainings)
+from train import BOS, E, EOS, H, MAX_LEN, PAD, V, VOCAB, batch  # noqa: E402,F401
 
 
 class Model(nn.Module):
