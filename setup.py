@@ -88,6 +88,17 @@ extensions = [
         extra_link_args=extra_link,
         depends=DEPENDS,
     ),
+    # The training ops' row-wise kernels (layer norm, dropout, masked
+    # backward products; csrc/fa_rowwise.c); runs on _kernels' worker pool.
+    Extension(
+        "fastattn._rowwise",
+        sources=["fastattn/_rowwise.pyx", "csrc/fa_rowwise.c"],
+        include_dirs=["csrc", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+        depends=DEPENDS,
+    ),
 ]
 
 setup(

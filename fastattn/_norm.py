@@ -1,17 +1,25 @@
-"""Layer normalisation, activations and dropout, with their backward (NumPy).
+"""Layer normalisation, activations and dropout, with their backward.
 
 ``layer_norm`` normalises over the last axis as ``torch.nn.functional.layer_norm``
 with ``normalized_shape = (E,)``: ``(x - mean) / sqrt(var + eps) * weight + bias``,
 the variance biased (divided by E).  The statistics and the backward's row sums
 are accumulated in float64 and the results rounded once to the compute dtype
 (float32 when x and the weights are float32 or float16, float64 otherwise), so a
-float32 result is no less accurate than torch's float32 kernel.
+float32 result is no less accurate than torch's float32 kernel.  The weight and
+bias gradients are summed in float64 per fixed chunk of rows, the chunks added
+in order: the same bits for any thread count.
 
 ``gelu`` is the exact (erf) form, torch's default ``approximate="none"``, or
 the tanh approximation with ``approximate="tanh"``; ``relu`` as torch's
-(gradient 0 at 0).  ``dropout`` draws its keep mask from a NumPy Generator
-(the caller's: seeded runs repeat), scales kept entries by ``1 / (1 - p)``.
-Inputs are never modified.
+(gradient 0 at 0).  ``dropout`` draws its keep mask from a counter-based
+stream (SplitMix64 of a seed and the element's index, csrc/fa_rowwise.c)
+whose seed is one draw from the caller's NumPy Generator: seeded runs repeat,
+for any thread count; ``P(keep) = 1 - p`` to within 2^-32.  Kept entries are
+scaled by ``1 / (1 - p)``.
+
+layer_norm, dropout and the backward of dropout and relu run on
+fastattn._rowwise (C, GIL released, fastattn's worker pool: ``n_threads``,
+default :func:`fastattn.get_num_threads`).  Inputs are never modified.
 """
 from __future__ import annotations
 
@@ -20,10 +28,32 @@ import math
 import numpy as np
 from scipy import special
 
+from . import _rowwise, _threads
 from ._validation import as_array, check_grad_array, describe
 
 __all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
            "relu_backward", "dropout", "dropout_backward"]
+
+_runtime_ready = False
+
+
+def _kernel_threads(n_threads):
+    """The thread count for fastattn._rowwise, its pool installed once."""
+    global _runtime_ready
+    nt = _threads.resolve(n_threads)
+    if not _runtime_ready:
+        _threads.install_runtime(_rowwise.set_runtime, simd=False)
+        _runtime_ready = True
+    return nt
+
+
+def _rows(a, dt):
+    """``a`` as a ``(rows, E)`` array of ``dt`` with a contiguous last axis (a view when it can be)."""
+    a2 = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+    if a2.dtype != dt or (a2.shape[1] > 1 and a2.strides[1] != dt.itemsize) or \
+            (a2.shape[0] > 1 and a2.strides[0] < a2.shape[1] * dt.itemsize):
+        a2 = np.ascontiguousarray(a2, dtype=dt)
+    return a2
 
 
 def _float_array(x, name):
@@ -62,28 +92,20 @@ def _ln_args(x, weight, bias, eps):
     return x, w, b, _check_eps(eps), _compute_dtype(x, w, b)
 
 
-def _stats(x64, eps):
-    mean = x64.mean(axis=-1, keepdims=True)
-    xc = x64 - mean
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + eps)
-    return xc, rstd
-
-
-def layer_norm(x, weight=None, bias=None, eps=1e-5):
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, n_threads=None):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis of
     ``x (..., E)``; ``weight``, ``bias`` ``(E,)`` or None."""
     x, w, b, eps, cdt = _ln_args(x, weight, bias, eps)
-    xc, rstd = _stats(x.astype(np.float64), eps)
-    y = xc * rstd
-    if w is not None:
-        y *= w.astype(np.float64)
-    if b is not None:
-        y += b.astype(np.float64)
-    return y.astype(cdt)
+    nt = _kernel_threads(n_threads)
+    y = np.empty(x.shape, cdt)
+    if y.size:
+        _rowwise.layer_norm(_rows(x, cdt), None if w is None else np.ascontiguousarray(w, cdt),
+                            None if b is None else np.ascontiguousarray(b, cdt), eps,
+                            y.reshape(-1, x.shape[-1]), nt)
+    return y
 
 
-def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5):
+def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5, *, n_threads=None):
     """Gradients of :func:`layer_norm`: ``(dx, dweight, dbias)`` (None for an
     absent weight or bias), with ``x̂ = (x - mean) rstd`` and ``ĝ = grad_out
     weight``::
@@ -91,18 +113,25 @@ def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5):
         dx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂))      (row means over E)
         dweight = Σ grad_out x̂,   dbias = Σ grad_out  (over every leading dim)
 
-    each in its input's dtype (float inputs), computed in float64."""
+    each in its input's dtype (float inputs), computed in float64 and
+    rounded once."""
     x, w, b, eps, cdt = _ln_args(x, weight, bias, eps)
-    g = check_grad_array(grad_out, "grad_out", x.shape).astype(np.float64)
-    xc, rstd = _stats(x.astype(np.float64), eps)
-    xhat = xc * rstd
-    gh = g * w.astype(np.float64) if w is not None else g
-    dx = rstd * (gh - gh.mean(axis=-1, keepdims=True)
-                 - xhat * np.mean(gh * xhat, axis=-1, keepdims=True))
-    lead = tuple(range(x.ndim - 1))
-    dw = None if w is None else np.sum(g * xhat, axis=lead).astype(w.dtype if w.dtype.kind == "f" else cdt)
-    db = None if b is None else np.sum(g, axis=lead).astype(b.dtype if b.dtype.kind == "f" else cdt)
-    return dx.astype(x.dtype if x.dtype.kind == "f" else cdt), dw, db
+    g = check_grad_array(grad_out, "grad_out", x.shape)
+    nt = _kernel_threads(n_threads)
+    E = x.shape[-1]
+    rows = x.size // E if E else 0
+    dx = np.empty(x.shape, cdt)
+    affine = w is not None or b is not None
+    parts = np.zeros((_rowwise.ln_chunks(rows, E), 2, E)) if affine else None
+    if dx.size:
+        _rowwise.layer_norm_backward(_rows(g, cdt), _rows(x, cdt),
+                                     None if w is None else np.ascontiguousarray(w, cdt), eps,
+                                     dx.reshape(rows, E), parts, nt)
+    if affine:  # the chunks' sums, in chunk order
+        sums = np.add.reduce(parts, axis=0) if parts.shape[0] else np.zeros((2, E))
+    dw = None if w is None else sums[0].astype(w.dtype if w.dtype.kind == "f" else cdt)
+    db = None if b is None else sums[1].astype(b.dtype if b.dtype.kind == "f" else cdt)
+    return dx.astype(x.dtype if x.dtype.kind == "f" else cdt, copy=False), dw, db
 
 
 def _check_approximate(approximate):
@@ -150,10 +179,16 @@ def relu(x):
     return np.maximum(x, x.dtype.type(0))   # NaN propagates through np.maximum
 
 
-def relu_backward(grad_out, x):
+def relu_backward(grad_out, x, *, n_threads=None):
     """``grad_out`` where ``x > 0``, else 0 (torch's choice at 0)."""
     x = _float_array(x, "x")
     g = check_grad_array(grad_out, "grad_out", x.shape)
+    if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and x.dtype == g.dtype and g.size:
+        nt = _kernel_threads(n_threads)
+        out = np.empty(g.shape, g.dtype)
+        _rowwise.relu_backward(np.ascontiguousarray(g).reshape(-1),
+                               np.ascontiguousarray(x).reshape(-1), out.reshape(-1), nt)
+        return out
     return np.where(x > 0, g, g.dtype.type(0))
 
 
@@ -166,27 +201,47 @@ def _check_p(p):
     return p
 
 
-def dropout(x, p, *, rng):
-    """``(out, keep)``: ``out = x keep / (1 - p)``, ``keep`` a boolean mask drawn
-    from ``rng`` (a ``numpy.random.Generator``) with ``P(keep) = 1 - p``."""
+def dropout(x, p, *, rng, n_threads=None):
+    """``(out, keep)``: ``out = x keep / (1 - p)``, ``keep`` a boolean mask with
+    ``P(keep) = 1 - p``, drawn from a counter-based stream seeded by one draw
+    from ``rng`` (a ``numpy.random.Generator``)."""
     p = _check_p(p)
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng: expected a numpy.random.Generator, got {describe(rng)}")
     x = _float_array(x, "x")
-    keep = rng.random(x.shape, dtype=np.float32) >= np.float32(p)
+    nt = _kernel_threads(n_threads)
+    seed = int(rng.integers(0, 2**64, dtype=np.uint64))
+    threshold = min(round(p * 2.0**32), 2**32)
     dt = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
+    keep = np.empty(x.shape, np.bool_)
+    scale = 1.0 / (1.0 - p)
+    if dt.itemsize >= 4 and keep.size:
+        xc = np.ascontiguousarray(x, dtype=dt)
+        out = np.empty(x.shape, dt)
+        _rowwise.dropout(xc.reshape(-1), out.reshape(-1), keep.reshape(-1), seed, threshold,
+                         scale, nt)
+        return out, keep
+    if keep.size:
+        _rowwise.dropout(None, None, keep.reshape(-1), seed, threshold, scale, nt)
     out = np.multiply(x, keep, dtype=dt)
-    out *= dt.type(1.0 / (1.0 - p))
+    out *= dt.type(scale)
     return out, keep
 
 
-def dropout_backward(grad_out, keep, p):
+def dropout_backward(grad_out, keep, p, *, n_threads=None):
     """dL/dx of :func:`dropout`: ``grad_out keep / (1 - p)``."""
     p = _check_p(p)
     keep = np.asarray(keep)
     if keep.dtype != np.bool_:
         raise TypeError(f"keep: expected the boolean mask dropout returned, got dtype {keep.dtype}")
     g = check_grad_array(grad_out, "grad_out", keep.shape)
+    if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and g.size:
+        nt = _kernel_threads(n_threads)
+        out = np.empty(g.shape, g.dtype)
+        _rowwise.mask_scale(np.ascontiguousarray(g).reshape(-1),
+                            np.ascontiguousarray(keep).reshape(-1), 1.0 / (1.0 - p),
+                            out.reshape(-1), nt)
+        return out
     out = np.multiply(g, keep, dtype=g.dtype)
     out *= g.dtype.type(1.0 / (1.0 - p))
     return out

@@ -23,7 +23,8 @@ SOURCE = next(p / PACKAGE for p in Path(__file__).resolve().parents
 # those one-way).  A new module must be placed here.
 LAYERS = [
     # compiled: Cython over csrc/ (C knows nothing of Python)
-    ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._scores"}),
+    ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._rowwise",
+                  "fastattn._scores"}),
     # plain NumPy: argument checks, the float64 oracle, plotting
     ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz", "fastattn.optim"}),
     # the runtime the kernels share, and masks as the kernels read them

@@ -1,0 +1,175 @@
+/*
+ * Row-wise and elementwise kernels of the training ops; see fa_rowwise.h.
+ *
+ * Portable C: the elementwise loops are left to the compiler's
+ * vectorisation; the row sums use four independent accumulators (a fixed
+ * order, so a row's result is the same on every machine this build runs on),
+ * in double.  These ops read and write each element a few times and are
+ * bound by memory and the conversions, not by arithmetic.
+ */
+#include <math.h>
+
+#include "fa_rowwise.h"
+
+#define FA_GOLDEN 0x9E3779B97F4A7C15ULL
+
+/* ------------------------------------------------------------ layer norm */
+
+#define LN_DEFINE(SFX, T)                                                            \
+static void ln_stats_##SFX(int64_t E, const T *x, double eps, double *mean, double *rstd) \
+{                                                                                    \
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                           \
+    int64_t j = 0;                                                                   \
+    for (; j + 4 <= E; j += 4) {                                                     \
+        s0 += (double)x[j];                                                          \
+        s1 += (double)x[j + 1];                                                      \
+        s2 += (double)x[j + 2];                                                      \
+        s3 += (double)x[j + 3];                                                      \
+    }                                                                                \
+    for (; j < E; j++)                                                               \
+        s0 += (double)x[j];                                                          \
+    double m = ((s0 + s1) + (s2 + s3)) / (double)E;                                  \
+    double v0 = 0, v1 = 0, v2 = 0, v3 = 0;                                           \
+    for (j = 0; j + 4 <= E; j += 4) {                                                \
+        double a = (double)x[j] - m, b = (double)x[j + 1] - m;                       \
+        double c = (double)x[j + 2] - m, d = (double)x[j + 3] - m;                   \
+        v0 += a * a;                                                                 \
+        v1 += b * b;                                                                 \
+        v2 += c * c;                                                                 \
+        v3 += d * d;                                                                 \
+    }                                                                                \
+    for (; j < E; j++) {                                                             \
+        double a = (double)x[j] - m;                                                 \
+        v0 += a * a;                                                                 \
+    }                                                                                \
+    double var = ((v0 + v1) + (v2 + v3)) / (double)E;                                \
+    *mean = m;                                                                       \
+    *rstd = 1.0 / sqrt(var + eps);                                                   \
+}                                                                                    \
+                                                                                     \
+void fa_ln_fwd_##SFX(int64_t rows, int64_t E, const T *x, int64_t ldx, const T *w,   \
+                     const T *b, double eps, T *y, int64_t ldy)                      \
+{                                                                                    \
+    for (int64_t r = 0; r < rows; r++) {                                             \
+        const T *xr = x + r * ldx;                                                   \
+        T *yr = y + r * ldy;                                                         \
+        double m, rs;                                                                \
+        ln_stats_##SFX(E, xr, eps, &m, &rs);                                         \
+        if (w && b) {                                                                \
+            for (int64_t j = 0; j < E; j++)                                          \
+                yr[j] = (T)(((double)xr[j] - m) * rs * (double)w[j] + (double)b[j]); \
+        } else if (w) {                                                              \
+            for (int64_t j = 0; j < E; j++)                                          \
+                yr[j] = (T)(((double)xr[j] - m) * rs * (double)w[j]);                \
+        } else if (b) {                                                              \
+            for (int64_t j = 0; j < E; j++)                                          \
+                yr[j] = (T)(((double)xr[j] - m) * rs + (double)b[j]);                \
+        } else {                                                                     \
+            for (int64_t j = 0; j < E; j++)                                          \
+                yr[j] = (T)(((double)xr[j] - m) * rs);                               \
+        }                                                                            \
+    }                                                                                \
+}                                                                                    \
+                                                                                     \
+void fa_ln_bwd_##SFX(int64_t rows, int64_t E, const T *g, int64_t ldg, const T *x,   \
+                     int64_t ldx, const T *w, double eps, T *dx, int64_t lddx,       \
+                     double *dw_acc, double *db_acc)                                 \
+{                                                                                    \
+    for (int64_t r = 0; r < rows; r++) {                                             \
+        const T *xr = x + r * ldx, *gr = g + r * ldg;                                \
+        T *dr = dx + r * lddx;                                                       \
+        double m, rs;                                                                \
+        ln_stats_##SFX(E, xr, eps, &m, &rs);                                         \
+        double a0 = 0, a1 = 0, c0 = 0, c1 = 0;                                       \
+        int64_t j = 0;                                                               \
+        for (; j + 2 <= E; j += 2) {                                                 \
+            double xh0 = ((double)xr[j] - m) * rs, xh1 = ((double)xr[j + 1] - m) * rs; \
+            double g0 = (double)gr[j], g1 = (double)gr[j + 1];                       \
+            if (w) {                                                                 \
+                g0 *= (double)w[j];                                                  \
+                g1 *= (double)w[j + 1];                                              \
+            }                                                                        \
+            a0 += g0;                                                                \
+            a1 += g1;                                                                \
+            c0 += g0 * xh0;                                                          \
+            c1 += g1 * xh1;                                                          \
+        }                                                                            \
+        for (; j < E; j++) {                                                         \
+            double xh = ((double)xr[j] - m) * rs, g0 = (double)gr[j];                \
+            if (w)                                                                   \
+                g0 *= (double)w[j];                                                  \
+            a0 += g0;                                                                \
+            c0 += g0 * xh;                                                           \
+        }                                                                            \
+        double mg = (a0 + a1) / (double)E, mgx = (c0 + c1) / (double)E;              \
+        for (j = 0; j < E; j++) {                                                    \
+            double xh = ((double)xr[j] - m) * rs;                                    \
+            double gh = w ? (double)gr[j] * (double)w[j] : (double)gr[j];            \
+            dr[j] = (T)(rs * (gh - mg - xh * mgx));                                  \
+        }                                                                            \
+        if (dw_acc)                                                                  \
+            for (j = 0; j < E; j++)                                                  \
+                dw_acc[j] += (double)gr[j] * (((double)xr[j] - m) * rs);             \
+        if (db_acc)                                                                  \
+            for (j = 0; j < E; j++)                                                  \
+                db_acc[j] += (double)gr[j];                                          \
+    }                                                                                \
+}
+
+LN_DEFINE(f32, float)
+LN_DEFINE(f64, double)
+
+/* ------------------------------------------------------------ dropout */
+
+static inline uint64_t splitmix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, uint8_t *keep)
+{
+    int64_t i = i0;
+    if (i < i1 && (i & 1)) {  /* an odd start: the high half of its pair */
+        uint64_t z = splitmix64(seed + (uint64_t)(i / 2 + 1) * FA_GOLDEN);
+        keep[i] = (uint8_t)((z >> 32) >= threshold);
+        i++;
+    }
+    for (; i + 2 <= i1; i += 2) {
+        uint64_t z = splitmix64(seed + (uint64_t)(i / 2 + 1) * FA_GOLDEN);
+        keep[i] = (uint8_t)((z & 0xFFFFFFFFULL) >= threshold);
+        keep[i + 1] = (uint8_t)((z >> 32) >= threshold);
+    }
+    if (i < i1) {
+        uint64_t z = splitmix64(seed + (uint64_t)(i / 2 + 1) * FA_GOLDEN);
+        keep[i] = (uint8_t)((z & 0xFFFFFFFFULL) >= threshold);
+    }
+}
+
+#define DROPOUT_DEFINE(SFX, T)                                                       \
+void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,     \
+                      const T *x, T *y, T scale, uint8_t *keep)                      \
+{                                                                                    \
+    dropout_mask(i0, i1, seed, threshold, keep);                                     \
+    if (x && y)                                                                      \
+        for (int64_t i = i0; i < i1; i++)                                            \
+            y[i] = x[i] * (T)keep[i] * scale;  /* NaN * 0 stays NaN, as x * mask */ \
+}                                                                                    \
+                                                                                     \
+void fa_mask_scale_##SFX(int64_t n, const T *g, const uint8_t *keep, T scale, T *out) \
+{                                                                                    \
+    for (int64_t i = 0; i < n; i++)                                                  \
+        out[i] = g[i] * (T)keep[i] * scale;                                          \
+}                                                                                    \
+                                                                                     \
+void fa_relu_bwd_##SFX(int64_t n, const T *g, const T *x, T *out)                    \
+{                                                                                    \
+    for (int64_t i = 0; i < n; i++) {  /* both loaded: a select, not a branch */       \
+        T gi = g[i], xi = x[i];                                                      \
+        out[i] = xi > 0 ? gi : (T)0;                                                 \
+    }                                                                                \
+}
+
+DROPOUT_DEFINE(f32, float)
+DROPOUT_DEFINE(f64, double)

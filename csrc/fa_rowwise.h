@@ -1,0 +1,62 @@
+/*
+ * Row-wise and elementwise kernels of the training ops (csrc/fa_rowwise.c),
+ * used by fastattn/_rowwise.pyx: layer normalisation forward and backward,
+ * dropout with a counter-based random stream, and the masked products of the
+ * activations' and dropout's backward.
+ *
+ * Plain C99: raw pointers, sizes and row strides in elements; the caller
+ * cuts the work into ranges (rows or elements) and runs them on its threads.
+ * Each range's result depends only on its own elements (and the seed), never
+ * on how the ranges were cut or which thread ran them -- except the layer
+ * norm backward's weight / bias sums, which each call adds into the partial
+ * sums it is given (the caller keeps one per fixed chunk of rows and adds
+ * them up in chunk order).
+ */
+#ifndef FA_ROWWISE_H
+#define FA_ROWWISE_H
+
+#include <stdint.h>
+
+/* y = (x - mean) / sqrt(var + eps) * w + b over each of `rows` rows of E
+ * elements (w, b: E elements each, or NULL for none); the mean and the
+ * biased variance in double, every element computed in double and rounded
+ * once.  Row r of x starts at x + r * ldx, of y at y + r * ldy. */
+void fa_ln_fwd_f32(int64_t rows, int64_t E, const float *x, int64_t ldx, const float *w,
+                   const float *b, double eps, float *y, int64_t ldy);
+void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const double *w,
+                   const double *b, double eps, double *y, int64_t ldy);
+
+/* The backward of fa_ln_fwd for those rows, from g = dL/dy (row stride ldg):
+ * with xh = (x - mean) rstd and gh = g w (g when w is NULL),
+ *     dx = rstd (gh - mean(gh) - xh mean(gh xh))          (row means)
+ * written to dx (row stride lddx), in double then rounded; and, when not
+ * NULL, dw_acc[j] += sum over the rows of g xh, db_acc[j] += sum of g
+ * (E doubles each, summed in row order). */
+void fa_ln_bwd_f32(int64_t rows, int64_t E, const float *g, int64_t ldg, const float *x,
+                   int64_t ldx, const float *w, double eps, float *dx, int64_t lddx,
+                   double *dw_acc, double *db_acc);
+void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const double *x,
+                   int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
+                   double *dw_acc, double *db_acc);
+
+/* Dropout's keep mask for the elements i0 <= i < i1 of a flat array:
+ * keep[i] = (u(seed, i) >= threshold), u a 32-bit draw (SplitMix64 of
+ * seed + (i/2 + 1) * golden ratio, its low half for even i, high half for odd
+ * i), so P(keep) = 1 - threshold / 2^32 and the mask depends only on the seed
+ * and the index.  With x and y, also y[i] = x[i] keep[i] scale (so a NaN
+ * stays NaN where it is dropped, as x * mask does).
+ * keep, x and y are the whole arrays (indexed from 0). */
+void fa_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, const float *x,
+                    float *y, float scale, uint8_t *keep);
+void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, const double *x,
+                    double *y, double scale, uint8_t *keep);
+
+/* out[i] = g[i] keep[i] scale, i < n (dropout's backward). */
+void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out);
+void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale, double *out);
+
+/* out[i] = x[i] > 0 ? g[i] : 0, i < n (relu's backward; NaN x gives 0). */
+void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out);
+void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
+
+#endif

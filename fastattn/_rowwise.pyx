@@ -1,0 +1,264 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Row-wise and elementwise kernels of the training ops (csrc/fa_rowwise.c):
+layer normalisation and its backward, dropout, and the masked products of the
+backward of dropout and relu.
+
+Canonical buffers in, preallocated outputs, GIL released, no user-facing
+checks: ``fastattn._norm`` validates every argument, picks the dtype and
+allocates before it calls here.  Arrays are 2-D ``(rows, E)`` with a
+contiguous last axis (layer norm) or 1-D contiguous (the elementwise ops),
+float32 or float64, one dtype per call; masks are uint8 / bool.
+
+Threads: the rows (elements) are cut into chunks whose size depends on the
+shape only, handed out by fastattn's worker pool (``set_runtime``, as
+``fastattn._proj``); each chunk's result depends on its own elements alone,
+so any thread count gives the same bits.  The layer norm backward's weight
+and bias sums go into one float64 partial sum per chunk (``parts``), which
+the caller adds up in chunk order.  Small arrays run on the calling thread.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
+
+from fastattn._runtime cimport runtime, runtime_run, runtime_set, task_fn
+
+cnp.import_array()
+
+cdef extern from "fa_rowwise.h" nogil:
+    void fa_ln_fwd_f32(int64_t rows, int64_t E, const float *x, int64_t ldx, const float *w,
+                       const float *b, double eps, float *y, int64_t ldy)
+    void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const double *w,
+                       const double *b, double eps, double *y, int64_t ldy)
+    void fa_ln_bwd_f32(int64_t rows, int64_t E, const float *g, int64_t ldg, const float *x,
+                       int64_t ldx, const float *w, double eps, float *dx, int64_t lddx,
+                       double *dw_acc, double *db_acc)
+    void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const double *x,
+                       int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
+                       double *dw_acc, double *db_acc)
+    void fa_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                        const float *x, float *y, float scale, uint8_t *keep)
+    void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                        const double *x, double *y, double scale, uint8_t *keep)
+    void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out)
+    void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
+                           double *out)
+    void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out)
+    void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
+
+cdef runtime g_rt
+
+# about this many elements a chunk (a few tens of microseconds of work), and
+# at least one chunk per PARALLEL_MIN elements before the pool is used
+DEF CHUNK_ELEMS = 16384
+DEF PARALLEL_MIN = 65536
+
+
+def set_runtime(uintptr_t pool_run, uintptr_t hold_enter, uintptr_t hold_exit,
+                uintptr_t simd_active=0):
+    """Install fastattn._kernels' pool (C addresses, see fastattn/_runtime.pxd); 0s uninstall."""
+    runtime_set(&g_rt, pool_run, hold_enter, hold_exit, simd_active)
+
+
+def runtime_installed():
+    return g_rt.pool_run != NULL
+
+
+def ln_chunk_rows(int64_t rows, int64_t E):
+    """Rows a chunk of a layer norm over ``(rows, E)`` (a function of the shape only)."""
+    cdef int64_t c = CHUNK_ELEMS // (E if E > 0 else 1)
+    if c < 1:
+        c = 1
+    return c
+
+
+def ln_chunks(int64_t rows, int64_t E):
+    """Number of chunks (and of ``parts`` rows the backward needs)."""
+    cdef int64_t c = ln_chunk_rows(rows, E)
+    return (rows + c - 1) // c
+
+
+ctypedef struct ln_ctx:
+    int f64
+    int64_t rows, E, chunk
+    char *x
+    char *g
+    char *w
+    char *b
+    char *y
+    int64_t ldx, ldg, ldy
+    double eps
+    double *parts   # (chunks, 2, E) or NULL
+
+
+cdef void _ln_fwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef ln_ctx *c = <ln_ctx *>vctx
+    cdef int64_t r0 = t * c.chunk
+    cdef int64_t n = c.rows - r0
+    if n > c.chunk:
+        n = c.chunk
+    if c.f64:
+        fa_ln_fwd_f64(n, c.E, <double *>c.x + r0 * c.ldx, c.ldx, <double *>c.w, <double *>c.b,
+                      c.eps, <double *>c.y + r0 * c.ldy, c.ldy)
+    else:
+        fa_ln_fwd_f32(n, c.E, <float *>c.x + r0 * c.ldx, c.ldx, <float *>c.w, <float *>c.b,
+                      c.eps, <float *>c.y + r0 * c.ldy, c.ldy)
+
+
+cdef void _ln_bwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef ln_ctx *c = <ln_ctx *>vctx
+    cdef int64_t r0 = t * c.chunk
+    cdef int64_t n = c.rows - r0
+    cdef double *dw = NULL
+    cdef double *db = NULL
+    if n > c.chunk:
+        n = c.chunk
+    if c.parts != NULL:
+        dw = c.parts + t * 2 * c.E
+        db = dw + c.E
+    if c.f64:
+        fa_ln_bwd_f64(n, c.E, <double *>c.g + r0 * c.ldg, c.ldg, <double *>c.x + r0 * c.ldx,
+                      c.ldx, <double *>c.w, c.eps, <double *>c.y + r0 * c.ldy, c.ldy, dw, db)
+    else:
+        fa_ln_bwd_f32(n, c.E, <float *>c.g + r0 * c.ldg, c.ldg, <float *>c.x + r0 * c.ldx,
+                      c.ldx, <float *>c.w, c.eps, <float *>c.y + r0 * c.ldy, c.ldy, dw, db)
+
+
+cdef int64_t _ld(cnp.ndarray a):
+    return cnp.PyArray_STRIDES(a)[0] // cnp.PyArray_ITEMSIZE(a) if cnp.PyArray_DIMS(a)[0] > 1 \
+        else cnp.PyArray_DIMS(a)[1]
+
+
+cdef char *_ptr(object a):
+    return NULL if a is None else <char *>cnp.PyArray_DATA(<cnp.ndarray>a)
+
+
+cdef void _run(ln_ctx *c, task_fn fn, int n_threads) noexcept nogil:
+    cdef int64_t ntasks = (c.rows + c.chunk - 1) // c.chunk
+    cdef int64_t t
+    if n_threads > 1 and c.rows * c.E >= PARALLEL_MIN and ntasks > 1:
+        runtime_run(&g_rt, ntasks, n_threads, fn, c, NULL, NULL)
+    else:
+        for t in range(ntasks):
+            fn(c, t, 0)
+
+
+def layer_norm(cnp.ndarray x, object w, object b, double eps, cnp.ndarray y, int n_threads):
+    """y = layer_norm(x) over rows: x, y (rows, E); w, b (E,) or None; one dtype."""
+    cdef ln_ctx c
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
+    if c.rows == 0 or c.E == 0:
+        return
+    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.x, c.w, c.b, c.y = _ptr(x), _ptr(w), _ptr(b), _ptr(y)
+    c.ldx, c.ldy = _ld(x), _ld(y)
+    c.eps = eps
+    c.parts = NULL
+    with nogil:
+        _run(&c, _ln_fwd_task, n_threads)
+
+
+def layer_norm_backward(cnp.ndarray g, cnp.ndarray x, object w, double eps, cnp.ndarray dx,
+                        object parts, int n_threads):
+    """dx from g (rows, E); ``parts`` (ln_chunks, 2, E) float64 zeros, or None: each
+    chunk's sums of g x̂ and of g."""
+    cdef ln_ctx c
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
+    if c.rows == 0 or c.E == 0:
+        return
+    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.x, c.g, c.w, c.b, c.y = _ptr(x), _ptr(g), _ptr(w), NULL, _ptr(dx)
+    c.ldx, c.ldg, c.ldy = _ld(x), _ld(g), _ld(dx)
+    c.eps = eps
+    c.parts = <double *>_ptr(parts)
+    with nogil:
+        _run(&c, _ln_bwd_task, n_threads)
+
+
+ctypedef struct ew_ctx:
+    int op          # 0 dropout (mask only when x is NULL), 1 mask_scale, 2 relu_bwd
+    int f64
+    int64_t n, chunk
+    char *a
+    char *b
+    char *out
+    uint8_t *keep
+    uint64_t seed, threshold
+    double scale
+
+
+cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef ew_ctx *c = <ew_ctx *>vctx
+    cdef int64_t i0 = t * c.chunk
+    cdef int64_t n = c.n - i0
+    if n > c.chunk:
+        n = c.chunk
+    if c.op == 0:
+        if c.f64:
+            fa_dropout_f64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out,
+                           c.scale, c.keep)
+        else:
+            fa_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
+                           <float>c.scale, c.keep)
+    elif c.op == 1:
+        if c.f64:
+            fa_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale, <double *>c.out + i0)
+        else:
+            fa_mask_scale_f32(n, <float *>c.a + i0, c.keep + i0, <float>c.scale,
+                              <float *>c.out + i0)
+    else:
+        if c.f64:
+            fa_relu_bwd_f64(n, <double *>c.a + i0, <double *>c.b + i0, <double *>c.out + i0)
+        else:
+            fa_relu_bwd_f32(n, <float *>c.a + i0, <float *>c.b + i0, <float *>c.out + i0)
+
+
+cdef void _ew_run(ew_ctx *c, int n_threads) noexcept nogil:
+    cdef int64_t ntasks
+    cdef int64_t t
+    c.chunk = 4 * CHUNK_ELEMS
+    ntasks = (c.n + c.chunk - 1) // c.chunk
+    if n_threads > 1 and c.n >= PARALLEL_MIN and ntasks > 1:
+        runtime_run(&g_rt, ntasks, n_threads, _ew_task, c, NULL, NULL)
+    else:
+        for t in range(ntasks):
+            _ew_task(c, t, 0)
+
+
+def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t threshold,
+            double scale, int n_threads):
+    """keep (n,) uint8 / bool from the seeded stream; with x and y (n,), y = x keep scale."""
+    cdef ew_ctx c
+    c.op = 0
+    c.n = cnp.PyArray_DIMS(keep)[0]
+    c.f64 = x is not None and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
+    c.keep = <uint8_t *>_ptr(keep)
+    c.seed, c.threshold, c.scale = seed, threshold, scale
+    with nogil:
+        _ew_run(&c, n_threads)
+
+
+def mask_scale(cnp.ndarray g, cnp.ndarray keep, double scale, cnp.ndarray out, int n_threads):
+    """out = g keep scale, all (n,)."""
+    cdef ew_ctx c
+    c.op = 1
+    c.n = cnp.PyArray_DIMS(g)[0]
+    c.f64 = cnp.PyArray_TYPE(g) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(g), NULL, _ptr(out)
+    c.keep = <uint8_t *>_ptr(keep)
+    c.scale = scale
+    with nogil:
+        _ew_run(&c, n_threads)
+
+
+def relu_backward(cnp.ndarray g, cnp.ndarray x, cnp.ndarray out, int n_threads):
+    """out = g where x > 0 else 0, all (n,)."""
+    cdef ew_ctx c
+    c.op = 2
+    c.n = cnp.PyArray_DIMS(g)[0]
+    c.f64 = cnp.PyArray_TYPE(g) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(g), _ptr(x), _ptr(out)
+    c.keep = NULL
+    with nogil:
+        _ew_run(&c, n_threads)

@@ -1,0 +1,171 @@
+"""The row-wise kernels behind functional.layer_norm, dropout and the backward
+of dropout and relu (fastattn/_rowwise.pyx, csrc/fa_rowwise.c): values against
+a float64 NumPy reference on every layout, the same bits for any thread count,
+the dropout stream's statistics and seeding, inputs never modified."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastattn import functional as F
+from support import make_layout, randn
+
+
+def ln_ref(x, w, b, eps):
+    x = x.astype(np.float64)
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    y = (x - m) / np.sqrt(v + eps)
+    if w is not None:
+        y = y * w.astype(np.float64)
+    if b is not None:
+        y = y + b.astype(np.float64)
+    return y
+
+
+def ln_bwd_ref(g, x, w, eps):
+    """dx through the explicit Jacobian of each row (independent of the kernel's formula)."""
+    x, g = x.astype(np.float64), g.astype(np.float64)
+    E = x.shape[-1]
+    xr, gr = x.reshape(-1, E), g.reshape(-1, E)
+    wv = np.ones(E) if w is None else w.astype(np.float64)
+    dx = np.empty_like(xr)
+    for r in range(xr.shape[0]):
+        m = xr[r].mean()
+        s = np.sqrt(((xr[r] - m) ** 2).mean() + eps)
+        xh = (xr[r] - m) / s
+        J = (np.eye(E) - 1.0 / E - np.outer(xh, xh) / E) / s   # d xhat_i / d x_j
+        dx[r] = J.T @ (gr[r] * wv)
+    xh = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+    return dx.reshape(x.shape), (g * xh).reshape(-1, E).sum(0), gr.sum(0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 16), (70, 300), (4, 3, 1)])
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layer_norm_forward_and_backward_against_reference(dtype, shape, affine, rng):
+    E = shape[-1]
+    x = (randn(rng, shape, scale=2.0) + 3.0).astype(dtype)
+    g = randn(rng, shape).astype(dtype)
+    w = randn(rng, (E,)).astype(dtype) if affine != "none" else None
+    b = randn(rng, (E,)).astype(dtype) if affine == "both" else None
+    before = [a.copy() for a in (x, g) + tuple(a for a in (w, b) if a is not None)]
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    y = F.layer_norm(x, w, b, 1e-5)
+    assert y.dtype == dtype and y.shape == shape
+    np.testing.assert_allclose(y, ln_ref(x, w, b, 1e-5), **tol)
+    dx, dw, db = F.layer_norm_backward(g, x, w, b, 1e-5)
+    rdx, rdw, rdb = ln_bwd_ref(g, x, w, 1e-5)
+    np.testing.assert_allclose(dx, rdx, **tol)
+    assert dx.dtype == dtype
+    if w is not None:
+        np.testing.assert_allclose(dw, rdw, **tol)
+        assert dw.dtype == dtype and dw.shape == (E,)
+    else:
+        assert dw is None
+    if b is not None:
+        np.testing.assert_allclose(db, rdb, **tol)
+    else:
+        assert db is None
+    for a, a0 in zip((x, g) + tuple(a for a in (w, b) if a is not None), before):
+        np.testing.assert_array_equal(a, a0)
+
+
+@pytest.mark.parametrize("layout", ["strided", "transposed", "readonly", "flipped_batch"])
+def test_layer_norm_any_layout_same_bits_as_contiguous(layout, rng):
+    x = randn(rng, (3, 9, 40)).astype(np.float32)
+    g = randn(rng, x.shape).astype(np.float32)
+    w, b = randn(rng, (40,)).astype(np.float32), randn(rng, (40,)).astype(np.float32)
+    xl, gl = make_layout(x, layout), make_layout(g, layout)
+    np.testing.assert_array_equal(F.layer_norm(xl, w, b), F.layer_norm(x, w, b))
+    for got, ref in zip(F.layer_norm_backward(gl, xl, w, b), F.layer_norm_backward(g, x, w, b)):
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_layer_norm_same_bits_for_any_thread_count(rng):
+    x = randn(rng, (64, 128, 96)).astype(np.float32)   # many chunks: the pool is used
+    g = randn(rng, x.shape).astype(np.float32)
+    w, b = randn(rng, (96,)).astype(np.float32), randn(rng, (96,)).astype(np.float32)
+    ref = F.layer_norm_backward(g, x, w, b, n_threads=1)
+    y1 = F.layer_norm(x, w, b, n_threads=1)
+    for nt in (2, 3):
+        np.testing.assert_array_equal(F.layer_norm(x, w, b, n_threads=nt), y1)
+        for got, r in zip(F.layer_norm_backward(g, x, w, b, n_threads=nt), ref):
+            np.testing.assert_array_equal(got, r)
+
+
+def test_layer_norm_float16_and_integer_inputs(rng):
+    x = randn(rng, (4, 8))
+    w = randn(rng, (8,))
+    y16 = F.layer_norm(x.astype(np.float16), w.astype(np.float16))
+    assert y16.dtype == np.float32      # computed and returned in float32
+    np.testing.assert_allclose(y16, ln_ref(x.astype(np.float16), w.astype(np.float16), None, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    xi = np.arange(32).reshape(4, 8) % 5
+    np.testing.assert_allclose(F.layer_norm(xi), ln_ref(xi, None, None, 1e-5), rtol=1e-12)
+
+
+def test_layer_norm_empty_and_nan(rng):
+    assert F.layer_norm(np.zeros((0, 5))).shape == (0, 5)
+    dx, dw, db = F.layer_norm_backward(np.zeros((0, 5)), np.zeros((0, 5)), np.ones(5), np.ones(5))
+    assert dx.shape == (0, 5)
+    np.testing.assert_array_equal(dw, 0)
+    np.testing.assert_array_equal(db, 0)
+    x = randn(rng, (3, 4))
+    x[1, 2] = np.nan
+    y = F.layer_norm(x)
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
+def test_dropout_values_and_statistics(dtype, p, rng):
+    x = randn(rng, (64, 1000)).astype(dtype)
+    x0 = x.copy()
+    out, keep = F.dropout(x, p, rng=np.random.default_rng(3))
+    np.testing.assert_array_equal(x, x0)
+    assert keep.dtype == np.bool_ and keep.shape == x.shape and out.dtype == dtype
+    n = keep.size
+    frac = keep.mean()
+    assert abs(frac - (1 - p)) < 5 * np.sqrt(p * (1 - p) / n) + 1e-12
+    scale = dtype(1.0 / (1.0 - p))
+    np.testing.assert_array_equal(out, np.where(keep, x * scale, 0).astype(dtype))
+    g = randn(rng, x.shape).astype(dtype)
+    np.testing.assert_array_equal(F.dropout_backward(g, keep, p),
+                                  np.where(keep, g * scale, 0).astype(dtype))
+
+
+def test_dropout_stream_seeded_and_thread_independent(rng):
+    x = randn(rng, (3, 200001)).astype(np.float32)   # an odd size: chunks start at odd indices
+    a = F.dropout(x, 0.3, rng=np.random.default_rng(7), n_threads=1)
+    b = F.dropout(x, 0.3, rng=np.random.default_rng(7), n_threads=2)
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[0], b[0])
+    gen = np.random.default_rng(7)
+    c, d = F.dropout(x, 0.3, rng=gen), F.dropout(x, 0.3, rng=gen)
+    assert (c[1] != d[1]).mean() > 0.3   # the next call draws a new mask
+    # neighbouring elements and rows are not correlated
+    k = a[1].astype(np.float64).ravel()
+    for lag in (1, 2, 200001):
+        r = np.corrcoef(k[:-lag], k[lag:])[0, 1]
+        assert abs(r) < 0.01, (lag, r)
+
+
+def test_dropout_keeps_nan_where_dropped_as_x_times_mask():
+    x = np.full((4, 100), np.nan, np.float32)
+    out, keep = F.dropout(x, 0.5, rng=np.random.default_rng(0))
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_backward_kernel(dtype, rng):
+    x = randn(rng, (33, 1001)).astype(dtype)
+    x[0, :3] = [0.0, -0.0, np.nan]
+    g = randn(rng, x.shape).astype(dtype)
+    g[1, 5] = np.nan
+    x0, g0 = x.copy(), g.copy()
+    got = F.relu_backward(g, x)
+    np.testing.assert_array_equal(got, np.where(x > 0, g, 0))
+    np.testing.assert_array_equal(F.relu_backward(g[:, ::2], x[:, ::2]), np.where(x > 0, g, 0)[:, ::2])
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(g, g0)
