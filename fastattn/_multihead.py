@@ -68,7 +68,8 @@ from ._validation import (
 )
 from ._sdpa import _sdpa_canonical, scaled_dot_product_attention, sdpa_backward
 
-__all__ = ["multi_head_attention", "multi_head_attention_backward"]
+__all__ = ["multi_head_attention", "multi_head_attention_backward",
+           "multi_head_attention_forward_backward"]
 
 
 def _install_runtime() -> bool:
@@ -619,17 +620,94 @@ def multi_head_attention_backward(
     p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
                  False, True, num_kv_heads, scale, causal_alignment, n_threads)
-    B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
-    out_shape = (B, Lq, p.E_out) if p.batched else (Lq, p.E_out)
-    g = check_grad_array(grad_out, "grad_out", out_shape).astype(cdt, copy=False)
-    g = g.reshape(B * Lq, p.E_out)
+    g = _check_grad(p, grad_out)    # before any work
+    given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
+                 b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
+    return _backward(p, _train_forward(p), g, query, key, value, given, False)
 
-    # the forward again, keeping the attention's lse
+
+def multi_head_attention_forward_backward(
+    query,
+    key,
+    value,
+    *,
+    num_heads,
+    w_qkv=None,
+    b_qkv=None,
+    w_query=None,
+    w_key=None,
+    w_value=None,
+    b_query=None,
+    b_key=None,
+    b_value=None,
+    w_out,
+    b_out=None,
+    attn_mask=None,
+    key_mask=None,
+    is_causal=False,
+    num_kv_heads=None,
+    scale=None,
+    causal_alignment="top_left",
+    n_threads=None,
+    combine_roles=False,
+):
+    """:func:`multi_head_attention`'s output and its backward in one: ``(out,
+    backward)``, ``backward(grad_out)`` returning what
+    :func:`multi_head_attention_backward` returns for the same arguments.
+
+    The forward keeps what the backward needs -- the projected queries, keys
+    and values, the attention's output and row log-sum-exp (O(L) memory, no
+    ``Lq x Lk`` matrix) -- so nothing is computed twice (the training path of
+    ``MultiHeadAttention.forward_backward``).  The inputs and weights must not
+    change before ``backward`` is called; it may be called more than once.
+
+    ``combine_roles=True``: an array passed in several roles gets its total
+    gradient once, in its first role's place, and None in the others (self-
+    attention: ``(dx, None, None, dweights)``; key as value: ``(dq, dkv,
+    None, dweights)``).  Self-attention with ``w_qkv`` then takes the three
+    projections' backward as one product, which sums the roles itself.
+    """
+    p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
+                 b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
+                 False, True, num_kv_heads, scale, causal_alignment, n_threads)
+    saved = _train_forward(p)
+    attn = saved[5]
+    y = _linear(attn, p.w_out, p.b_out, p.E_out, p.n_threads,
+                None if p.packed is None else p.packed.out)
+    if p.rdt != p.cdt:
+        y = y.astype(p.rdt)
+    if not p.batched:
+        y = y[0]
+
+    given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
+                 b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
+    combine = _check_bool(combine_roles, "combine_roles")
+
+    def backward(grad_out):
+        return _backward(p, saved, _check_grad(p, grad_out), query, key, value, given, combine)
+    return y, backward
+
+
+def _check_grad(p, grad_out):
+    out_shape = (p.B, p.Lq, p.E_out) if p.batched else (p.Lq, p.E_out)
+    g = check_grad_array(grad_out, "grad_out", out_shape).astype(p.cdt, copy=False)
+    return g.reshape(p.B * p.Lq, p.E_out)
+
+
+def _train_forward(p):
+    """The projections and the attention, keeping its lse: what _backward needs."""
     q, k, v, mask, out_view, attn = _project_heads(p)
-    sc = 1.0 / math.sqrt(dh) if p.scale is None else float(p.scale)
+    sc = 1.0 / math.sqrt(p.dh) if p.scale is None else float(p.scale)
     _, lse = scaled_dot_product_attention(q, k, v, mask, p.is_causal, sc,
                                           causal_alignment=p.causal_alignment, out=out_view,
                                           n_threads=p.n_threads, return_lse=True)
+    return q, k, v, mask, out_view, attn, sc, lse
+
+
+def _backward(p, saved, g, query, key, value, given, combine):
+    """The gradients from a prepared call, _train_forward's results and grad_out (B Lq, E_out)."""
+    B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
+    q, k, v, mask, out_view, attn, sc, lse = saved
     attn2 = attn.reshape(B * Lq, E)
 
     # every projection's backward is linear_backward's (products on fastattn's
@@ -647,37 +725,64 @@ def multi_head_attention_backward(
         d_ctx = d_ctx.reshape(B, Hkv, H // Hkv, Lq, dh)
     dq_h, dk_h, dv_h = sdpa_backward(d_ctx, q, k, v, out_view, lse, mask, p.is_causal, sc,
                                      causal_alignment=p.causal_alignment, n_threads=p.n_threads)
+    kvE = Hkv * dh
+    w_qkv, b_qkv = given["w_qkv"], given["b_qkv"]
 
-    def merged(dh_, L, n):  # head gradients (B, n, L, dh) -> (B L, n dh) rows
-        return dh_.reshape(B, n, L, dh).transpose(0, 2, 1, 3).reshape(B * L, n * dh)
+    def put(dst, dh_, L, n):  # head gradients (B, n, L, dh) into (B L, n dh) rows
+        dst.reshape(B, L, n, dh)[...] = dh_.reshape(B, n, L, dh).transpose(0, 2, 1, 3)
 
-    dQ, dK, dV = merged(dq_h, Lq, H), merged(dk_h, Lk, Hkv), merged(dv_h, Lk, Hkv)
-
-    # input projections: qb = x_q W_q^T + b_q, ...
-    xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
-    dxq, dwq, dbq = linear_backward(dQ, xq, p.w_q, p.b_q, n_threads=nt)
-    dxk, dwk, dbk = linear_backward(dK, xk, p.w_k, p.b_k, n_threads=nt)
-    dxv, dwv, dbv = linear_backward(dV, xv, p.w_v, p.b_v, n_threads=nt)
-    if w_qkv is not None:
-        grads["w_qkv"] = np.concatenate([dwq, dwk, dwv], axis=0)
+    if combine and p.self_attention and w_qkv is not None:
+        # one array in all three roles: one product for the three projections,
+        # whose dx is the sum of the three roles' (summed inside the GEMM)
+        dQKV = np.empty((B * Lq, E + 2 * kvE), cdt)
+        put(dQKV[:, :E], dq_h, Lq, H)
+        put(dQKV[:, E:E + kvE], dk_h, Lk, Hkv)
+        put(dQKV[:, E + kvE:], dv_h, Lk, Hkv)
+        xq = p.q.reshape(-1, p.q.shape[-1])
+        dx, dw, db = linear_backward(dQKV, xq, p.w_qkv, p.b_qkv, n_threads=nt)
+        grads["w_qkv"] = dw
         if b_qkv is not None:
-            grads["b_qkv"] = np.concatenate([dbq, dbk, dbv])
+            grads["b_qkv"] = db
+        dxq = dx
+        dxk = dxv = None
     else:
-        grads.update(w_query=dwq, w_key=dwk, w_value=dwv)
-        for name, d, b in (("b_query", dbq, b_query), ("b_key", dbk, b_key),
-                           ("b_value", dbv, b_value)):
-            if b is not None:
-                grads[name] = d
+        dQ, dK, dV = (np.empty((B * L, n * dh), cdt) for L, n in ((Lq, H), (Lk, Hkv), (Lk, Hkv)))
+        put(dQ, dq_h, Lq, H)
+        put(dK, dk_h, Lk, Hkv)
+        put(dV, dv_h, Lk, Hkv)
+        # input projections: qb = x_q W_q^T + b_q, ...
+        xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
+        dxq, dwq, dbq = linear_backward(dQ, xq, p.w_q, p.b_q, n_threads=nt)
+        dxk, dwk, dbk = linear_backward(dK, xk, p.w_k, p.b_k, n_threads=nt)
+        dxv, dwv, dbv = linear_backward(dV, xv, p.w_v, p.b_v, n_threads=nt)
+        if w_qkv is not None:
+            grads["w_qkv"] = np.concatenate([dwq, dwk, dwv], axis=0)
+            if b_qkv is not None:
+                grads["b_qkv"] = np.concatenate([dbq, dbk, dbv])
+        else:
+            grads.update(w_query=dwq, w_key=dwk, w_value=dwv)
+            for name, d, b in (("b_query", dbq, given["b_query"]), ("b_key", dbk, given["b_key"]),
+                               ("b_value", dbv, given["b_value"])):
+                if b is not None:
+                    grads[name] = d
 
     def back(dx, x, L):
         dx = dx.reshape((B, L, -1) if p.batched else (L, -1))
         return dx.astype(grad_dtype(x, cdt), copy=False)
 
-    given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
-                 b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
     dweights = {name: d.astype(grad_dtype(given[name], cdt), copy=False)
                 for name, d in grads.items()}
-    return back(dxq, query, Lq), back(dxk, key, Lk), back(dxv, value, Lk), dweights
+    if combine and dxk is not None:
+        if query is key and key is value:
+            dxq, dxk, dxv = dxq + dxk + dxv, None, None
+        elif key is value:
+            dxk, dxv = dxk + dxv, None
+        elif query is key:
+            dxq, dxk = dxq + dxk, None
+        elif query is value:
+            dxq, dxv = dxq + dxv, None
+    return tuple(None if d is None else back(d, x, L) for d, x, L in
+                 ((dxq, query, Lq), (dxk, key, Lk), (dxv, value, Lk))) + (dweights,)
 
 
 # ------------------------------------------------------------ prepared weights

@@ -22,7 +22,8 @@ from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._linear import linear, linear_backward
 from ._merge import merge_attention
-from ._multihead import multi_head_attention, multi_head_attention_backward
+from ._multihead import (multi_head_attention, multi_head_attention_backward,
+                         multi_head_attention_forward_backward)
 from ._norm import (dropout, dropout_backward, gelu, gelu_backward, layer_norm,
                     layer_norm_backward, relu, relu_backward)
 from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
@@ -44,6 +45,7 @@ __all__ = [
     "Plan",
     "multi_head_attention",
     "multi_head_attention_backward",
+    "multi_head_attention_forward_backward",
     "attention",
     "attention_backward",
     "PreparedAttention",

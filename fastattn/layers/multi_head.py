@@ -412,22 +412,23 @@ class MultiHeadAttention(Layer):
         gradient into :attr:`grads` and returns one gradient per input given:
         ``(dx,)`` for self-attention (``key`` and ``value`` omitted: the sum
         of the three roles), ``(dquery, dkey)`` when only ``key`` was given
-        (value defaults to it), else ``(dquery, dkey, dvalue)``.  The backward
-        recomputes the projections and the attention from the inputs (O(L)
-        memory); the inputs must not change before ``backprop`` is called."""
+        (value defaults to it), else ``(dquery, dkey, dvalue)``.  The forward
+        keeps the projections and the attention's output and row log-sum-exp
+        (:func:`fastattn.functional.multi_head_attention_forward_backward`,
+        O(L) memory); the inputs must not change before ``backprop`` is
+        called."""
         kw = dict(attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
                   causal_alignment=causal_alignment, n_threads=n_threads)
-        out = self(query, key, value, **kw)
         n_given = 1 if key is None and value is None else 2 if value is None else 3
         q = query
         k = query if key is None else key
         v = k if value is None else value
-        weights = self._weights()
+        out, backward = functional.multi_head_attention_forward_backward(
+            q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **kw,
+            combine_roles=n_given == 1, **self._weights())
 
         def backprop(grad_out):
-            dq, dk, dv, dw = functional.multi_head_attention_backward(
-                grad_out, q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                **kw, **weights)
+            dq, dk, dv, dw = backward(grad_out)
             g = self.grads
             E, kvE = self.embed_dim, self.num_kv_heads * self.head_dim
             bias_slices = {"b_query": slice(0, E), "b_key": slice(E, E + kvE),
@@ -437,8 +438,8 @@ class MultiHeadAttention(Layer):
                     g["in_proj_bias"][bias_slices[name]] += a
                 else:
                     g[self._GRAD_NAMES[name]] += a
-            if n_given == 1:
-                return (dq + dk + dv,)
+            if n_given == 1:   # combine_roles: dq is the sum of the three roles'
+                return (dq,)
             if n_given == 2:
                 return (dq, dk + dv)
             return (dq, dk, dv)

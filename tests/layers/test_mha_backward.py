@@ -289,3 +289,54 @@ def test_bad_input_names_the_argument(rng):
         multi_head_attention_backward(g, q, k, v, num_heads=3, **w)
     with pytest.raises(TypeError, match="return_weights"):
         multi_head_attention_backward(g, q, k, v, num_heads=H, return_weights=True, **w)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "key_mask", "fully_masked"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_forward_backward_keeps_the_forward(dtype, case, mask, rng):
+    """multi_head_attention_forward_backward: the forward's output and, from the
+    residuals it kept, the oracle's gradients -- per role, or (combine_roles)
+    an array's total gradient once."""
+    from fastattn.functional import multi_head_attention_forward_backward as fb
+    kw = CASES[case]
+    self_att = kw.get("packed", False)
+    q, k, v = inputs(rng, case, dtype, self_att)
+    w = weights(rng, dtype, **kw)
+    Hkv = kw.get("Hkv", H)
+    m = mask_kwargs(mask, rng, k.shape[1], dtype)
+    g = randn(rng, (B, L, E), dtype)
+    before = [a.copy() for a in (q, k, v, g, *w.values())]
+    rq, rk, rv, rw = R.multi_head_attention_backward(g, q, k, v, num_heads=H, num_kv_heads=Hkv,
+                                                     **separate(w), **m)
+    rw = packed_grads(rw, w)
+    y_ref = multi_head_attention(q, k, v, num_heads=H, num_kv_heads=Hkv, **w, **m)
+    for combine in (False, True):
+        y, backward = fb(q, k, v, num_heads=H, num_kv_heads=Hkv, combine_roles=combine, **w, **m)
+        np.testing.assert_array_equal(y, y_ref)
+        dq, dk, dv, dw = backward(g)
+        if combine and self_att:     # one array in the three roles: its total gradient
+            assert dk is None and dv is None
+            assert_close(dq, rq + rk + rv, dtype, err_msg="dx")
+        else:
+            for name, a, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+                assert_close(a, r, dtype, err_msg=name)
+        assert set(dw) == set(w)
+        for n in w:
+            assert dw[n].dtype == w[n].dtype
+            assert_close(dw[n], rw[n], dtype, err_msg=n)
+        dq2 = backward(g)[0]          # callable again, same result
+        np.testing.assert_array_equal(dq2, dq)
+    for a, b in zip((q, k, v, g, *w.values()), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_forward_backward_bad_grad_and_flag(rng):
+    from fastattn.functional import multi_head_attention_forward_backward as fb
+    x = randn(rng, (B, L, E))
+    w = weights(rng, packed=True)
+    _, backward = fb(x, x, x, num_heads=H, **w)
+    with pytest.raises(ValueError, match=r"^grad_out: expected shape \(2, 7, 16\)"):
+        backward(np.zeros((B, L, E + 1)))
+    with pytest.raises(TypeError, match=r"^combine_roles: expected a bool"):
+        fb(x, x, x, num_heads=H, combine_roles="yes", **w)
