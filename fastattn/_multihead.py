@@ -670,7 +670,8 @@ def multi_head_attention_backward(
                 grads[name] = d
 
     def back(dx, x, L):
-        dx = dx.reshape((B, L, -1) if p.batched else (L, -1))
+        # the feature size spelled out: -1 cannot be inferred when B or L is 0
+        dx = dx.reshape((B, L, dx.shape[-1]) if p.batched else (L, dx.shape[-1]))
         return dx.astype(grad_dtype(x, cdt), copy=False)
 
     given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,

@@ -247,3 +247,18 @@ def test_bucket_batches_uint64_ids_beyond_int64():
         bucket_batches(seqs, batch_size=2)
     ids, mask, _ = bucket_batches([np.array([1, 2], dtype=np.uint64)], batch_size=2)[0]
     np.testing.assert_array_equal(ids, [[1, 2]])
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4), (0, 4)], ids=["B0", "L0", "unbatched-L0"])
+def test_multi_head_attention_backward_with_zero_batch_or_length(shape):
+    """The input gradients were reshaped to (B, L, -1): NumPy cannot infer -1 from
+    0 elements ("cannot reshape array of size 0"), so MultiHeadAttention's and
+    TransformerEncoderLayer's backprop failed for B = 0 or L = 0."""
+    layer = L.MultiHeadAttention(4, 2, seed=0, dtype=np.float64)
+    x = np.zeros(shape)
+    out, backprop = layer.forward_backward(x, x, x)
+    grads = backprop(np.zeros(out.shape))
+    assert [g.shape for g in grads] == [shape] * 3
+    enc = L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64)
+    out, backprop = enc.forward_backward(x)
+    assert backprop(np.zeros(out.shape))[0].shape == shape
