@@ -874,3 +874,425 @@ def test_row15_loaded_arrays_are_copies(name):
 def test_row15_bad_from_torch(cls, sd, exc, match):
     with pytest.raises(exc, match=match):
         cls.from_torch(sd)
+
+
+# ======================================================================
+# The training API: the second table of docs/bad_input.md, rows 18-26
+#
+# Each case is (id, exception, regex, call); every regex starts with ``^`` and
+# the parameter's name.  The inputs are the module-level arrays of ``_T`` (and
+# read-only copies of them); every test checks them unchanged afterwards.
+
+import io  # noqa: E402
+import re  # noqa: E402
+
+from fastattn import losses as LS  # noqa: E402
+from fastattn import optim as O  # noqa: E402
+from fastattn import train as T  # noqa: E402
+
+_T = dict(
+    x=_r(2, 5, 4), w=_r(4), b=_r(4), g=_r(2, 5, 4),
+    keep=RNG.random((2, 5, 4)) < 0.7,
+    z=_r(4, 3), t=np.array([0, 2, 1, -100]), cw=RNG.random(3) + 0.5,
+    y=(RNG.random((4, 3)) < 0.5).astype(np.float64),
+)
+_BLOCKS = {  # float64 layers, built once; dropout 0 in the transformer (deterministic)
+    "LayerNorm": L.LayerNorm(4, dtype=np.float64),
+    "Dropout": L.Dropout(0.3, seed=0),
+    "FeedForward": L.FeedForward(4, 6, seed=0, dtype=np.float64),
+    "MeanPooling": L.MeanPooling(),
+    "Sequential": L.Sequential(L.Linear(4, 4, seed=0, dtype=np.float64), L.LayerNorm(4, dtype=np.float64)),
+    "AttentionPooling": L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64),
+    "PositionalEmbedding": L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64),
+    "TransformerEncoderLayer": L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64),
+    "TransformerEncoder": L.TransformerEncoder(
+        L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64), 2, norm=True, seed=0),
+}
+
+
+def _run_cases(case, inputs=None):
+    """Run one (id, exc, regex, call) case; the inputs are unchanged after."""
+    inputs = _T if inputs is None else inputs
+    saved = _snapshot(inputs)
+    _, exc, match, call = case
+    assert match.startswith("^"), match
+    with pytest.raises(exc, match=match):
+        call()
+    _assert_unchanged(inputs, saved)
+
+
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+def _fb(layer, x, *args):
+    """forward_backward's output and the input gradient of a ones grad_out."""
+    out, back = layer.forward_backward(x, *args)
+    o = out[0] if isinstance(out, tuple) else out
+    return o, back(np.ones_like(o))[0]
+
+
+# ---------------------------------------------------------------- row 18: wrong rank
+_X = _T["x"]
+ROW18 = [
+    ("layer_norm-0d", ValueError, r"^x: expected an array with at least 1 dim \(\.\.\., E\), got shape \(\)$",
+     lambda: F.layer_norm(np.float64(1.0))),
+    ("layer_norm_backward-0d", ValueError, r"^x: expected an array with at least 1 dim",
+     lambda: F.layer_norm_backward(np.float64(1.0), np.float64(1.0))),
+    ("cross_entropy-0d", ValueError, r"^logits: expected an array of shape \(C,\), \(N, C\) or \(N, C, d1, \.\.\.\), "
+     r"got a 0-d array$", lambda: LS.cross_entropy(np.float64(1.0), 0)),
+] + [
+    (f"{n}-{nd}d", ValueError, rf"^x: expected a {want} array, got {nd}-d array of shape",
+     lambda n=n, nd=nd: _BLOCKS[n](np.ones((1,) * (nd - 1) + (4,)) if nd else np.float64(1.0)))
+    for n, want, nds in [("LayerNorm", "1-d to 32-d", (0, 33)), ("FeedForward", "1-d to 32-d", (0,)),
+                         ("Sequential", "1-d to 32-d", (0,)), ("MeanPooling", "3-d", (0, 2, 4)),
+                         ("AttentionPooling", "3-d", (1, 2, 4)),
+                         ("PositionalEmbedding", "2-d or 3-d", (0, 1, 4))]
+    for nd in nds
+] + [
+    ("bucket_batches-1d-array", ValueError, r"^seqs: expected a 2-d integer array or a list of 1-d sequences, "
+     r"got array of shape \(3,\)", lambda: T.bucket_batches(np.arange(3), batch_size=2)),
+    ("bucket_batches-nested", ValueError, r"^seqs\[1\]: expected a 1-d sequence of ids, got array of shape \(1, 2\)",
+     lambda: T.bucket_batches([[1, 2], [[1, 2]]], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW18, ids=_ids(ROW18))
+def test_row18_wrong_rank(case):
+    _run_cases(case)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3, 4, 5)], ids=str)
+def test_row18_elementwise_ops_take_any_rank(shape):
+    """gelu / relu / dropout, bce and mse are elementwise: any rank, the input's shape."""
+    x = RNG.standard_normal(shape)
+    for fn in (F.gelu, F.relu, lambda a: F.dropout(a, 0.5, rng=np.random.default_rng(0))[0],
+               lambda a: LS.binary_cross_entropy_with_logits(a, np.ones(shape))[1],
+               lambda a: LS.mse(a, np.zeros(shape))[1], _BLOCKS["Dropout"]):
+        assert np.shape(fn(x)) == shape
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoderLayer / "
+                                       "TransformerEncoder name x 'query' (MultiHeadAttention's)")
+@pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerEncoder"])
+def test_row18_transformer_errors_name_x(name):
+    with pytest.raises(ValueError, match=r"^x: "):
+        _BLOCKS[name](np.ones(4))
+    with pytest.raises(ValueError, match=r"^x: "):
+        _BLOCKS[name](np.ones((2, 5, 3)))
+    with pytest.raises(TypeError, match=r"^x: "):
+        _BLOCKS[name](np.ones((2, 5, 4), complex))
+
+
+# ---------------------------------------------------------------- row 19: mismatched sizes
+ROW19 = [
+    ("layer_norm-weight", ValueError, r"^weight: expected shape \(4,\) \(x's last dim\), got \(3,\)$",
+     lambda: F.layer_norm(_T["x"], _T["w"][:3])),
+    ("layer_norm-bias", ValueError, r"^bias: expected shape \(4,\) \(x's last dim\), got \(1, 4\)$",
+     lambda: F.layer_norm(_T["x"], _T["w"], _T["b"][None])),
+    ("layer_norm_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(2, 5, 3\)$",
+     lambda: F.layer_norm_backward(_T["g"][..., :3], _T["x"], _T["w"], _T["b"])),
+    ("gelu_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(5, 4\)$",
+     lambda: F.gelu_backward(_T["g"][0], _T["x"])),
+    ("relu_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(2, 5, 3\)$",
+     lambda: F.relu_backward(_T["g"][..., :3], _T["x"])),
+    ("dropout_backward-keep", ValueError, r"^grad_out: expected shape \(5, 4\), got \(2, 5, 4\)$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"][0], 0.3)),
+    ("cross_entropy-targets", ValueError, r"^targets: expected class indices of shape \(4,\) \(logits' shape "
+     r"\(4, 3\) without the class axis 1\) or class probabilities of shape \(4, 3\), got shape \(3,\)$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"][:3])),
+    ("cross_entropy-probabilities", ValueError, r"^targets: floating targets are class probabilities and must "
+     r"have the logits' shape \(4, 3\), got shape \(4, 2\)", lambda: LS.cross_entropy(_T["z"], _T["y"][:, :2])),
+    ("cross_entropy-class-range", ValueError, r"^targets: expected class indices in \[0, 3\) or ignore_index=-100, "
+     r"got 3 at index \(1,\) \(1 out of range\)$", lambda: LS.cross_entropy(_T["z"], np.array([0, 3, 1, 2]))),
+    ("cross_entropy-weight", ValueError, r"^weight: expected shape \(C,\) = \(3,\), one weight per class, got "
+     r"shape \(4,\)$", lambda: LS.cross_entropy(_T["z"], _T["t"], weight=_T["w"])),
+    ("bce-targets", ValueError, r"^targets: expected the logits' shape \(4, 3\), got shape \(3, 4\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"].T)),
+    ("bce-weight", ValueError, r"^weight: expected a shape that broadcasts to the logits' shape \(4, 3\), got \(4,\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], weight=_T["w"])),
+    ("bce-pos_weight-enlarges", ValueError, r"^pos_weight: expected a shape that broadcasts to the logits' shape "
+     r"\(4, 3\), got \(2, 4, 3\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], pos_weight=np.ones((2, 4, 3)))),
+    ("mse-target", ValueError, r"^target: expected pred's shape \(4, 3\), got shape \(3,\)$",
+     lambda: LS.mse(_T["z"], _T["cw"])),
+] + [
+    (f"{n}-last-dim", ValueError, r"^x: expected last dim 4, got shape \(2, 5, 3\)$",
+     lambda n=n: _BLOCKS[n](_T["x"][..., :3]))
+    for n in ("LayerNorm", "FeedForward", "Sequential", "AttentionPooling", "PositionalEmbedding")
+] + [
+    ("PositionalEmbedding-max_len", ValueError, r"^x: expected at most max_len=8 positions, got 9$",
+     lambda: _BLOCKS["PositionalEmbedding"](np.ones((2, 9, 4)))),
+    ("MeanPooling-mask", ValueError, r"^mask: expected shape \(2, 5\), got \(2, 4\)$",
+     lambda: _BLOCKS["MeanPooling"](_T["x"], _T["keep"][:, :4, 0])),
+    ("AttentionPooling-mask", ValueError, r"^mask: expected shape \(2, 5\), got \(5,\)$",
+     lambda: _BLOCKS["AttentionPooling"](_T["x"], _T["keep"][0, :, 0])),
+    ("TransformerEncoderLayer-key_mask", ValueError, r"^key_mask: expected shape \(2, 5\) \(\(B, Lk\), True = "
+     r"real token\), got \(2, 4\)$", lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], key_mask=_T["keep"][:, :4, 0])),
+    ("TransformerEncoder-attn_mask", ValueError, r"^attn_mask: expected a shape broadcastable to \(B=2, "
+     r"num_heads=2, Lq=5, Lk=5\), got \(4, 4\)$",
+     lambda: _BLOCKS["TransformerEncoder"](_T["x"], attn_mask=np.ones((4, 4), bool))),
+] + [
+    (f"{n}-backprop-grad_out", ValueError, rf"^grad_out: expected shape \({s}\), got",
+     lambda n=n: _BLOCKS[n].forward_backward(_T["x"])[1](np.ones((2, 5, 5))))
+    for n, s in [("LayerNorm", "2, 5, 4"), ("Dropout", "2, 5, 4"), ("FeedForward", "2, 5, 4"),
+                 ("MeanPooling", "2, 4"), ("Sequential", "2, 5, 4"), ("PositionalEmbedding", "2, 5, 4"),
+                 ("TransformerEncoderLayer", "2, 5, 4"), ("TransformerEncoder", "2, 5, 4")]
+] + [
+    ("optim-grad-shape", ValueError, r"^params\['w'\]: expected a gradient of the parameter's shape \(4,\), "
+     r"got \(3,\)$", lambda: O.Adam([("w", _T["w"], _T["b"][:3])])),
+    ("load-into-shape", ValueError, r"^into: the Linear does not have the checkpoint's config: in_features: "
+     r"checkpoint 4, model 5$", lambda: fastattn.load(_checkpoint_bytes(), into=L.Linear(5, 3, dtype=np.float64))),
+    ("bucket_batches-labels", ValueError, r"^labels: expected one label per sequence \(3\), got 2$",
+     lambda: T.bucket_batches([[1], [2, 3], [4]], [0, 1], batch_size=2)),
+]
+
+
+def _checkpoint_bytes():
+    """A saved Linear(4, 3) (float64), as a file object."""
+    f = io.BytesIO()
+    fastattn.save(L.Linear(4, 3, seed=0, dtype=np.float64), f)
+    f.seek(0)
+    return f
+
+
+@pytest.mark.parametrize("case", ROW19, ids=_ids(ROW19))
+def test_row19_mismatched_sizes(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 20: dtypes
+BAD_DTYPES_T = [np.complex128, object, "U1", np.longdouble, "datetime64[D]"]
+
+
+def _bad(a, dtype):
+    return np.full(a.shape, "a") if dtype == "U1" else (
+        np.zeros(a.shape, dtype) if dtype == "datetime64[D]" else a.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES_T, ids=lambda d: np.dtype(d).name)
+def test_row20_bad_dtypes_raise(dtype):
+    x, g, z, y = _T["x"], _T["g"], _T["z"], _T["y"]
+    bx, bz = _bad(x, dtype), _bad(z, dtype)
+    name = np.dtype(dtype).name if dtype not in ("U1",) else "<U1"
+    real = r"^{p}: expected a real floating array, got dtype "
+    cases = [
+        (TypeError, real.format(p="x"), lambda: F.layer_norm(bx)),
+        (TypeError, real.format(p="weight"), lambda: F.layer_norm(x, _bad(_T["w"], dtype))),
+        (TypeError, real.format(p="bias"), lambda: F.layer_norm(x, None, _bad(_T["b"], dtype))),
+        (TypeError, real.format(p="x"), lambda: F.layer_norm_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.gelu(bx)),
+        (TypeError, real.format(p="x"), lambda: F.gelu_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.relu(bx)),
+        (TypeError, real.format(p="x"), lambda: F.relu_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.dropout(bx, 0.5, rng=np.random.default_rng(0))),
+        (TypeError, r"^grad_out: expected a real floating array \(float16, float32 or float64\), got dtype",
+         lambda: F.dropout_backward(_bad(g, dtype), _T["keep"], 0.5)),
+        (TypeError, r"^logits: expected real numbers", lambda: LS.cross_entropy(bz, _T["t"])),
+        (TypeError, r"^logits: expected real numbers", lambda: LS.binary_cross_entropy_with_logits(bz, y)),
+        (TypeError, r"^targets: expected (integer class indices|target probabilities)",
+         lambda: LS.binary_cross_entropy_with_logits(z, _bad(y, dtype))),
+        (TypeError, r"^weight: expected real numbers", lambda: LS.cross_entropy(z, _T["t"], weight=_bad(_T["cw"], dtype))),
+        (TypeError, r"^pred: expected real numbers", lambda: LS.mse(bz, z)),
+        (TypeError, r"^target: expected real numbers", lambda: LS.mse(z, bz)),
+    ]
+    if dtype != np.longdouble:   # a float128 array of class probabilities is refused as a dtype too
+        cases.append((TypeError, r"^targets: expected integer class indices or floating class probabilities, "
+                                 rf"got dtype {re.escape(name)}$", lambda: LS.cross_entropy(z, _bad(y, dtype))))
+    for n in _BLOCKS:
+        if n.startswith("Transformer"):
+            continue   # they name x 'query': test_row18_transformer_errors_name_x
+        want = r"^x: expected a real floating array" if n == "Dropout" else \
+            r"^x: expected real numbers \(float32/float64\), got dtype "
+        cases.append((TypeError, want, lambda n=n: _BLOCKS[n](bx)))
+    for i, (exc, match, call) in enumerate(cases):
+        _run_cases((str(i), exc, match, call))
+
+
+ROW20 = [
+    ("layer_norm_backward-int-grad", TypeError, r"^grad_out: expected a real floating array \(float16, float32 or "
+     r"float64\), got dtype int64$", lambda: F.layer_norm_backward(np.ones((2, 5, 4), np.int64), _T["x"])),
+    ("gelu_backward-int-grad", TypeError, r"^grad_out: expected a real floating array", lambda: F.gelu_backward(
+        np.ones((2, 5, 4), np.int64), _T["x"])),
+    ("dropout_backward-int-keep", TypeError, r"^keep: expected the boolean mask dropout returned, got dtype int64$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"].astype(np.int64), 0.3)),
+    ("cross_entropy-bool-targets", TypeError, r"^targets: expected integer class indices or floating class "
+     r"probabilities, got dtype bool$", lambda: LS.cross_entropy(_T["z"], _T["t"] > 0)),
+    ("MeanPooling-int-mask", TypeError, r"^mask: expected a boolean array \(True = real position\), got dtype int64$",
+     lambda: _BLOCKS["MeanPooling"](_T["x"], np.ones((2, 5), np.int64))),
+    ("AttentionPooling-int-mask", TypeError, r"^mask: expected a boolean array", lambda: _BLOCKS["AttentionPooling"](
+        _T["x"], np.ones((2, 5), np.int64))),
+    ("TransformerEncoderLayer-int-key_mask", TypeError, r"^key_mask: expected a bool array of shape \(2, 5\)",
+     lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], key_mask=np.ones((2, 5), np.int64))),
+    ("optim-int-param", TypeError, r"^params\['w'\]: expected a floating-point parameter, got dtype int64$",
+     lambda: O.SGD([("w", np.ones(3, np.int64), np.zeros(3, np.int64))])),
+    ("optim-grad-dtype", TypeError, r"^params\['w'\]: expected a gradient of the parameter's dtype float64, got "
+     r"float32$", lambda: O.SGD([("w", _T["w"], np.zeros(4, np.float32))])),
+    ("bucket_batches-float-ids", TypeError, r"^seqs\[0\]: expected integer ids, got dtype float64$",
+     lambda: T.bucket_batches([[1.5, 2.0]], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW20, ids=_ids(ROW20))
+def test_row20_wrong_dtype_of_masks_grads_and_ids(case):
+    _run_cases(case)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.int64, np.float16, np.float32])
+def test_row20_promotion(dtype):
+    """bool / integer inputs are computed in float64; float16 in float32 (layer_norm, gelu:
+    a float32 result; relu, dropout and every backward: float16, the input's dtype)."""
+    x = (_T["x"] > 0) if dtype == np.bool_ else (_T["x"] * 3).astype(dtype)
+    x64 = x.astype(np.float64)
+    cd = np.float32 if dtype in (np.float16, np.float32) else np.float64
+    gd = dtype if dtype in (np.float16, np.float32) else np.float64
+    g = _T["g"].astype(gd)
+    assert F.layer_norm(x).dtype == cd and F.gelu(x).dtype == cd
+    assert F.relu(x).dtype == gd and F.dropout(x, 0.5, rng=np.random.default_rng(0))[0].dtype == gd
+    assert F.layer_norm_backward(g, x)[0].dtype == gd and F.gelu_backward(g, x).dtype == gd
+    assert F.relu_backward(g, x).dtype == gd
+    tol = 1e-12 if cd == np.float64 else 1e-5
+    np.testing.assert_allclose(F.layer_norm(x), F.layer_norm(x64), rtol=tol, atol=tol)
+    np.testing.assert_allclose(F.gelu(x), F.gelu(x64), rtol=tol, atol=tol)
+    z = x[0] if dtype != np.bool_ else x[0]
+    for fn in (lambda a: LS.cross_entropy(a, np.array([0, 1, 2, 3, 0]) % 4),
+               lambda a: LS.mse(a, np.zeros(a.shape)),
+               lambda a: LS.binary_cross_entropy_with_logits(a, np.ones(a.shape))):
+        loss, grad = fn(z)
+        assert type(loss) is float and grad.dtype == gd
+        loss64, grad64 = fn(z.astype(np.float64))
+        assert loss == pytest.approx(loss64, rel=10 * tol, abs=10 * tol)
+    for n in ("LayerNorm", "FeedForward", "PositionalEmbedding", "TransformerEncoderLayer"):
+        y = _BLOCKS[n](x)
+        assert y.dtype == np.float64     # float64 layers
+        np.testing.assert_allclose(y, _BLOCKS[n](x64), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- row 21: zero-size dims
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0, 4)], ids=["rows0", "L0"])
+def test_row21_zero_rows_give_empty_results(shape):
+    x, g = np.zeros(shape), np.zeros(shape)
+    for got in (F.layer_norm(x, _T["w"], _T["b"]), F.gelu(x), F.relu(x), F.dropout(x, 0.5, rng=np.random.default_rng(0))[0],
+                F.gelu_backward(g, x), F.relu_backward(g, x), F.dropout_backward(g, x > 0, 0.5),
+                LS.mse(x, x, reduction="none")[1], LS.binary_cross_entropy_with_logits(x, x)[1]):
+        assert got.shape == shape
+    dx, dw, db = F.layer_norm_backward(g, x, _T["w"], _T["b"])
+    assert dx.shape == shape
+    np.testing.assert_array_equal(dw, 0.0)
+    np.testing.assert_array_equal(db, 0.0)
+
+
+def test_row21_zero_size_losses():
+    """"mean" over nothing is nan with an all-zero (empty) gradient, "sum" is 0; C = 0 raises."""
+    for fn, args in ((LS.cross_entropy, (np.zeros((0, 3)), np.zeros(0, np.int64))),
+                     (LS.binary_cross_entropy_with_logits, (np.zeros((0, 3)), np.zeros((0, 3)))),
+                     (LS.mse, (np.zeros((0, 3)), np.zeros((0, 3))))):
+        loss, grad = fn(*args)
+        assert math.isnan(loss) and grad.shape == (0, 3)
+        assert fn(*args, reduction="sum")[0] == 0.0
+    loss, grad = LS.cross_entropy(_T["z"], np.full(4, -100))
+    assert math.isnan(loss)
+    np.testing.assert_array_equal(grad, 0.0)
+    _run_cases(("C0", ValueError, r"^logits: expected at least one class \(C >= 1 on the class axis\), got shape "
+                r"\(2, 0\)$", lambda: LS.cross_entropy(np.zeros((2, 0)), np.zeros(2, np.int64))))
+
+
+@pytest.mark.parametrize("name", [n for n in _BLOCKS if n != "AttentionPooling"])
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
+def test_row21_blocks_with_zero_batch_or_length(name, shape):
+    if name == "PositionalEmbedding" and shape[1] == 0:
+        pytest.skip("its backprop fails: test_row21_positional_embedding_backprop_with_zero_length")
+    x = np.zeros(shape)
+    out, dx = _fb(_BLOCKS[name], x)
+    assert dx.shape == shape
+    want = shape[:1] + shape[2:] if name == "MeanPooling" else shape
+    assert out.shape == want
+    if name == "MeanPooling":
+        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to average
+
+
+@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): PositionalEmbedding's backprop "
+                                       "reshapes grad_out to (-1, L, E): NumPy's 'cannot reshape array of size 0'")
+def test_row21_positional_embedding_backprop_with_zero_length():
+    layer = L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64)
+    out, backprop = layer.forward_backward(np.zeros((2, 0, 4)))
+    assert backprop(np.zeros(out.shape))[0].shape == (2, 0, 4)
+
+
+@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): AttentionPooling raises NumPy's "
+                                       "'cannot reshape array of size 0' (B = 0) and 'zero-size array to "
+                                       "reduction operation maximum' (L = 0)")
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
+def test_row21_attention_pooling_with_zero_batch_or_length(shape):
+    out = _BLOCKS["AttentionPooling"](np.zeros(shape))
+    assert out.shape == (shape[0], 8)
+
+
+ROW21 = [
+    ("optim-no-params", ValueError, r"^params: expected at least one parameter, got none$", lambda: O.Adam([])),
+    ("bucket_batches-no-seqs", ValueError, r"^seqs: expected at least one sequence, got none$",
+     lambda: T.bucket_batches([], batch_size=2)),
+    ("bucket_batches-empty-seq", ValueError, r"^seqs\[1\]: expected at least one id, got an empty sequence$",
+     lambda: T.bucket_batches([[1], []], batch_size=2)),
+    ("fit-no-batch", ValueError, r"^batches: epoch 0 gave no batch$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL, lr=0.1), [], epochs=1, progress=False)),
+]
+
+_FIT_MODEL = L.Linear(4, 3, seed=0, dtype=np.float64)
+
+
+def _fit_loss(model, batch):
+    x, y = batch
+    out, back = model.forward_backward(x)
+    loss, grad = LS.cross_entropy(out, y)
+    back(grad)
+    return loss
+
+
+@pytest.mark.parametrize("case", ROW21, ids=_ids(ROW21))
+def test_row21_nothing_to_train_on(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 22: layouts
+def _elementwise_calls():
+    w, b = _T["w"], _T["b"]
+    return {
+        "layer_norm": lambda x, g: F.layer_norm(x, w, b),
+        "layer_norm_backward": lambda x, g: np.concatenate(
+            [a.ravel() for a in F.layer_norm_backward(g, x, w, b)]),
+        "gelu": lambda x, g: F.gelu(x), "gelu_backward": lambda x, g: F.gelu_backward(g, x, approximate="tanh"),
+        "relu": lambda x, g: F.relu(x), "relu_backward": lambda x, g: F.relu_backward(g, x),
+        "dropout": lambda x, g: F.dropout(x, 0.4, rng=np.random.default_rng(3))[0],
+        "dropout_backward": lambda x, g: F.dropout_backward(g, x > 0, 0.4),
+        "cross_entropy": lambda x, g: LS.cross_entropy(x.reshape(10, 4), np.arange(10) % 4,
+                                                        label_smoothing=0.1)[1],
+        "cross_entropy-probs": lambda x, g: LS.cross_entropy(x, np.abs(g) / np.abs(g).sum(1, keepdims=True))[1],
+        "bce": lambda x, g: LS.binary_cross_entropy_with_logits(x, (g > 0) * 1.0, pos_weight=np.abs(w))[1],
+        "mse": lambda x, g: LS.mse(x, g)[1],
+        **{n: (lambda x, g, n=n: _fb(_BLOCKS[n], x)[1]) for n in _BLOCKS if n != "Dropout"},
+        "Dropout": lambda x, g: _fb(L.Dropout(0.3, seed=0), x)[1],   # a fresh mask stream per call
+    }
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("op", list(_elementwise_calls()))
+def test_row22_layouts(op, kind):
+    call = _elementwise_calls()[op]
+    base = dict(x=_T["x"], g=_T["g"])
+    for param in base:
+        inputs = dict(base)
+        inputs[param] = _layout(base[param], kind)
+        saved = _snapshot(inputs)
+        got = call(**inputs)
+        want = call(**{k: np.array(v, order="C") for k, v in inputs.items()})
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{param} {kind}")
+        _assert_unchanged(inputs, saved)
+
+
+def test_row22_read_only_parameters_refused_at_step():
+    w = _T["w"].copy()
+    w.flags.writeable = False
+    opt = O.SGD([("w", w, np.ones(4))], lr=0.1)
+    _run_cases(("ro", ValueError, r"^params\['w'\]: the parameter array is read-only \(a frozen layer\? "
+                r"unfreeze it to train\)$", opt.step), dict(w=w))
