@@ -1296,3 +1296,265 @@ def test_row22_read_only_parameters_refused_at_step():
     opt = O.SGD([("w", w, np.ones(4))], lr=0.1)
     _run_cases(("ro", ValueError, r"^params\['w'\]: the parameter array is read-only \(a frozen layer\? "
                 r"unfreeze it to train\)$", opt.step), dict(w=w))
+
+
+# ---------------------------------------------------------------- row 23: NaN / inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy's, on inf - inf
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_row23_nonfinite_stays_in_its_row(bad):
+    x = _T["x"].copy()
+    x[0, 1, 2] = bad
+    others = np.ones(x.shape[:2], bool)
+    others[0, 1] = False
+    for out in (F.layer_norm(x, _T["w"], _T["b"]), F.layer_norm_backward(_T["g"], x)[0],
+                _BLOCKS["LayerNorm"](x), _BLOCKS["FeedForward"](x), _BLOCKS["Sequential"](x)):
+        assert np.all(np.isfinite(out[others])) and not np.all(np.isfinite(out[0, 1]))
+    # the elementwise ops: only that element
+    for out in (F.gelu(x), F.relu(x), F.gelu_backward(_T["g"], x)):
+        flat = np.ravel_multi_index((0, 1, 2), x.shape)
+        assert np.all(np.isfinite(np.delete(out.ravel(), flat))) and not np.isfinite(out.ravel()[flat])
+    # losses: that sample's loss and gradient, as torch; "mean" becomes nan
+    z = _T["z"].copy()
+    z[1, 0] = bad
+    for loss, grad in (LS.cross_entropy(z, _T["t"], reduction="none"),
+                       LS.binary_cross_entropy_with_logits(z, _T["y"], reduction="none"),
+                       LS.mse(z, _T["y"], reduction="none")):
+        rows = np.ones(4, bool)
+        rows[1] = False
+        assert np.all(np.isfinite(loss[rows])) and np.all(np.isfinite(grad[rows]))
+    assert math.isnan(LS.cross_entropy(z, _T["t"])[0])
+    # the pooling and transformer blocks: that batch item
+    for n in ("MeanPooling", "AttentionPooling", "TransformerEncoderLayer", "TransformerEncoder"):
+        out = _BLOCKS[n](x)
+        assert np.all(np.isfinite(out[1])) and not np.all(np.isfinite(out[0])), n
+
+
+def test_row23_nonfinite_elementwise_values():
+    """gelu(-inf) and its gradient at +-inf are nan (torch's too); relu's gradient is 0 at NaN."""
+    x = np.array([np.nan, np.inf, -np.inf, 0.0])
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(F.gelu(x), [np.nan, np.inf, np.nan, 0.0])
+        np.testing.assert_array_equal(F.relu(x), [np.nan, np.inf, 0.0, 0.0])
+        np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [0.0, 1.0, 0.0, 0.0])
+
+
+def test_row23_nonfinite_gradients_in_clip_grad_norm():
+    g = np.array([np.inf, 1.0, 0.0, 0.0])
+    model = [("w", _T["w"].copy(), g.copy())]
+    _run_cases(("inf", RuntimeError, r"^clip_grad_norm: the total norm of order 2.0 of the gradients is non-finite "
+                r"\(inf\), so it cannot be clipped", lambda: O.clip_grad_norm(model, 1.0, error_if_nonfinite=True)),
+               dict(g=model[0][2]))
+    np.testing.assert_array_equal(model[0][2], g)   # no gradient changed
+    with np.errstate(invalid="ignore"):
+        assert O.clip_grad_norm(model, 1.0) == math.inf    # as torch: scaled by 0 (inf * 0 = nan)
+    np.testing.assert_array_equal(model[0][2], [np.nan, 0.0, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------- row 24: options and hyperparameters
+ROW24 = [
+    ("layer_norm-eps", ValueError, r"^eps: expected a finite number >= 0, got -1.0$", lambda: F.layer_norm(_T["x"], eps=-1)),
+    ("layer_norm-eps-type", TypeError, r"^eps: expected a real number, got str", lambda: F.layer_norm(_T["x"], eps="a")),
+    ("gelu-approximate", ValueError, r"^approximate: expected 'none' or 'tanh', got 'erf'$",
+     lambda: F.gelu(_T["x"], approximate="erf")),
+    ("dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$",
+     lambda: F.dropout(_T["x"], 1.0, rng=np.random.default_rng(0))),
+    ("dropout-p-type", TypeError, r"^p: expected a probability \(a real number\), got bool",
+     lambda: F.dropout(_T["x"], True, rng=np.random.default_rng(0))),
+    ("dropout-rng", TypeError, r"^rng: expected a numpy.random.Generator, got int", lambda: F.dropout(_T["x"], 0.5, rng=0)),
+    ("dropout_backward-p", ValueError, r"^p: expected a probability in \[0, 1\), got nan$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"], float("nan"))),
+    ("reduction", ValueError, r"^reduction: expected one of 'mean', 'sum', 'none', got 'avg'$",
+     lambda: LS.mse(_T["z"], _T["z"], reduction="avg")),
+    ("reduction-type", TypeError, r"^reduction: expected one of 'mean', 'sum', 'none', got NoneType None$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], reduction=None)),
+    ("label_smoothing", ValueError, r"^label_smoothing: expected a float in \[0, 1\], got 2$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"], label_smoothing=2)),
+    ("ignore_index", TypeError, r"^ignore_index: expected an int, got float 1.5$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"], ignore_index=1.5)),
+    ("LayerNorm-normalized_shape", TypeError, r"^normalized_shape: expected an int >= 1, got tuple \(4,\)$",
+     lambda: L.LayerNorm((4,))),
+    ("Dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$", lambda: L.Dropout(1.0)),
+    ("FeedForward-activation", ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$",
+     lambda: L.FeedForward(4, 8, activation="tanh")),
+    ("AttentionPooling-hops", ValueError, r"^hops: expected an int >= 1, got 0$", lambda: L.AttentionPooling(4, 3, hops=0)),
+    ("PositionalEmbedding-kind", ValueError, r"^kind: expected 'learned' or 'sinusoidal', got 'rope'$",
+     lambda: L.PositionalEmbedding(8, 4, kind="rope")),
+    ("TransformerEncoderLayer-dropout", ValueError, r"^dropout: expected a probability in \[0, 1\), got 1.0$",
+     lambda: L.TransformerEncoderLayer(4, 2, 8, dropout=1.0)),
+    ("TransformerEncoder-num_layers", ValueError, r"^num_layers: expected an int >= 1, got 0$",
+     lambda: L.TransformerEncoder(_BLOCKS["TransformerEncoderLayer"], 0)),
+    ("TransformerEncoderLayer-is_causal", TypeError, r"^is_causal: expected a bool, got str",
+     lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], is_causal="yes")),
+] + [
+    (f"{cls.__name__}-{name}-{bad!r}", exc, match, lambda cls=cls, kw={name: bad}: cls(_FIT_MODEL, **kw))
+    for cls in (O.SGD, O.Adam, O.AdamW)
+    for name, bad, exc, match in [
+        ("lr", -1, ValueError, r"^lr: expected a finite number >= 0, got -1$"),
+        ("lr", math.nan, ValueError, r"^lr: expected a finite number >= 0, got nan$"),
+        ("lr", "a", TypeError, r"^lr: expected a real number, got str 'a'$"),
+        ("lr", np.array(0.1), TypeError, r"^lr: expected a real number, got array of shape \(\) and dtype float64$"),
+        ("weight_decay", -1, ValueError, r"^weight_decay: expected a finite number >= 0, got -1$"),
+        ("weight_decay", math.inf, ValueError, r"^weight_decay: expected a finite number >= 0, got inf$"),
+    ]
+] + [
+    ("SGD-momentum", ValueError, r"^momentum: expected a finite number >= 0, got -1$",
+     lambda: O.SGD(_FIT_MODEL, momentum=-1)),
+    ("SGD-nesterov", ValueError, r"^nesterov: expected momentum > 0 and dampening == 0 with nesterov=True, got "
+     r"momentum=0.0, dampening=0.0$", lambda: O.SGD(_FIT_MODEL, nesterov=True)),
+    ("SGD-nesterov-type", TypeError, r"^nesterov: expected a bool, got int 1$",
+     lambda: O.SGD(_FIT_MODEL, momentum=0.9, nesterov=1)),
+] + [
+    (f"{cls.__name__}-{name}-{bad!r}", exc, match, lambda cls=cls, kw={name: bad}: cls(_FIT_MODEL, **kw))
+    for cls in (O.Adam, O.AdamW)
+    for name, bad, exc, match in [
+        ("betas", (1.0, 0.9), ValueError, r"^betas\[0\]: expected a number in \[0, 1\), got 1.0$"),
+        ("betas", (0.9, -0.1), ValueError, r"^betas\[1\]: expected a number in \[0, 1\), got -0.1$"),
+        ("betas", 0.9, TypeError, r"^betas: expected a pair \(beta1, beta2\), got float 0.9$"),
+        ("betas", (0.9, 0.9, 0.9), TypeError, r"^betas: expected a pair \(beta1, beta2\), got tuple"),
+        ("eps", -1, ValueError, r"^eps: expected a finite number >= 0, got -1$"),
+        ("eps", math.nan, ValueError, r"^eps: expected a finite number >= 0, got nan$"),
+        ("amsgrad", "yes", TypeError, r"^amsgrad: expected a bool, got str 'yes'$"),
+    ]
+] + [
+    ("clip-max_norm", ValueError, r"^max_norm: expected a number >= 0, got -1.0$", lambda: O.clip_grad_norm(_FIT_MODEL, -1)),
+    ("clip-max_norm-nan", ValueError, r"^max_norm: expected a number >= 0, got nan$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, math.nan)),
+    ("clip-max_norm-type", TypeError, r"^max_norm: expected a real number, got NoneType None$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, None)),
+    ("clip-norm_type", ValueError, r"^norm_type: expected a number > 0 or inf, got 0$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, 1.0, norm_type=0)),
+]
+
+
+@pytest.mark.parametrize("case", ROW24, ids=_ids(ROW24))
+def test_row24_bad_options_and_hyperparameters(case):
+    _run_cases(case)
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): layer_norm_eps='a' raises float()'s "
+                                       "'could not convert string to float'; -1 is reported as 'eps'")
+def test_row24_transformer_layer_norm_eps():
+    with pytest.raises(TypeError, match=r"^layer_norm_eps: "):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps="a")
+    with pytest.raises(ValueError, match=r"^layer_norm_eps: "):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoder(None / 'abc', n) "
+                                       "raises dict()'s TypeError / ValueError")
+@pytest.mark.parametrize("config", [None, "abc", 3])
+def test_row24_transformer_encoder_layer_config(config):
+    with pytest.raises(TypeError, match=r"^layer_config: "):
+        L.TransformerEncoder(config, 1)
+
+
+# ---------------------------------------------------------------- row 25: optimizer params in a wrong form
+_W, _G = _T["w"], _T["b"]
+ROW25 = [
+    (lab, TypeError, r"^params: expected a model \(with named_parameters\(\) and named_grads\(\)\) or an iterable of "
+     rf"\(name, param, grad\) triples, got {got}$", lambda p=p: O.SGD(p, lr=0.1))
+    for lab, p, got in [("None", None, "NoneType"), ("dict", {"w": _W}, "dict"), ("array", _W, "ndarray"),
+                        ("str", "w", "str"), ("class", L.Linear, r"the class Linear \(not an instance of it\)")]
+] + [
+    ("list-of-arrays", TypeError, r"^params\[0\]: expected a \(name, param, grad\) triple, got array of shape \(4,\)",
+     lambda: O.SGD([_W])),
+    ("pairs", TypeError, r"^params\[0\]: expected a \(name, param, grad\) triple, got tuple \('w', ",
+     lambda: O.SGD([("w", _W)])),
+    ("list-param", TypeError, r"^params\['w'\]: expected the parameter as a NumPy array \(updated in place\), got list",
+     lambda: O.SGD([("w", [1.0], [0.0])])),
+    ("name-not-str", TypeError, r"^params: expected parameter names \(str\), got int 1$", lambda: O.SGD([(1, _W, _G)])),
+    ("duplicate-names", ValueError, r"^params: two parameters are named 'w'$",
+     lambda: O.SGD([("w", _W, _G), ("w", _W.copy(), _G.copy())])),
+    ("clip-params", TypeError, r"^params_or_model: expected a model .* got dict$", lambda: O.clip_grad_norm({}, 1.0)),
+]
+
+
+@pytest.mark.parametrize("case", ROW25, ids=_ids(ROW25))
+def test_row25_optimizer_params_in_a_wrong_form(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 26: checkpoint files, fit, bucket_batches
+def _row26_cases(tmp_path):
+    (tmp_path / "text").write_text("hello")
+    np.savez(tmp_path / "plain.npz", a=np.ones(3))
+    np.save(tmp_path / "array.npy", np.ones(3))
+    good = tmp_path / "linear.ckpt"
+    fastattn.save(L.Linear(4, 3, seed=0, dtype=np.float64), good)
+    (tmp_path / "truncated").write_bytes(good.read_bytes()[:200])
+    return [
+        ("missing", FileNotFoundError, r"^checkpoint '.*nope': no such file$", lambda: fastattn.load(tmp_path / "nope")),
+        ("directory", IsADirectoryError, r"^checkpoint '.*': expected a checkpoint file, got a directory$",
+         lambda: fastattn.load(tmp_path)),
+        ("text", ValueError, r"^checkpoint '.*text': not a fastattn checkpoint \(not an .npz archive",
+         lambda: fastattn.load(tmp_path / "text")),
+        ("plain-npz", ValueError, r"^checkpoint '.*plain.npz': not a fastattn checkpoint \(no '__fastattn__' entry; "
+         r"entries \['a'\]\)$", lambda: fastattn.load(tmp_path / "plain.npz")),
+        ("npy", ValueError, r"^checkpoint '.*array.npy': not a fastattn checkpoint \(a single .npy array",
+         lambda: fastattn.load(tmp_path / "array.npy")),
+        ("truncated", ValueError, r"^checkpoint '.*truncated': not a fastattn checkpoint",
+         lambda: fastattn.load(tmp_path / "truncated")),
+        ("path-type", TypeError, r"^path: expected a str, bytes or os.PathLike path or a binary file object, got int$",
+         lambda: fastattn.load(3)),
+        ("into-class", ValueError, r"^into: the checkpoint holds a Linear, got a LayerNorm$",
+         lambda: fastattn.load(good, into=L.LayerNorm(4))),
+        ("into-dtype", ValueError, r"^into: the Linear does not have the checkpoint's config: dtype: checkpoint "
+         r"'float64', model 'float32'$", lambda: fastattn.load(good, into=L.Linear(4, 3, dtype=np.float32))),
+        ("into-type", TypeError, r"^into: expected a layer of fastattn.layers or None, got object$",
+         lambda: fastattn.load(good, into=object())),
+        ("save-model", TypeError, r"^model: expected a layer of fastattn.layers \(", lambda: fastattn.save({}, tmp_path / "x")),
+        ("save-missing-dir", FileNotFoundError, r"^path: expected a file in an existing directory",
+         lambda: fastattn.save(_FIT_MODEL, tmp_path / "no" / "x")),
+    ]
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_row26_checkpoint_files(i, tmp_path):
+    cases = _row26_cases(tmp_path)
+    assert len(cases) == 12
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _run_cases(cases[i], dict(w=_FIT_MODEL.parameters()["weight"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before    # nothing written
+
+
+_BATCHES = [(_T["x"][0, :4], np.array([0, 1, 2, 0]))]   # one (4, 4) batch of features, 4 labels
+ROW26 = [
+    ("fit-epochs-0", ValueError, r"^epochs: expected an integer >= 1, got 0$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=0, progress=False)),
+    ("fit-epochs-float", TypeError, r"^epochs: expected an integer, got float 1.5$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=1.5, progress=False)),
+    ("fit-epochs-bool", TypeError, r"^epochs: expected an integer, got bool True$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=True, progress=False)),
+    ("fit-batches-None", TypeError, r"^batches: expected a sequence or iterable of batches, or a callable "
+     r"batches\(epoch\), got NoneType None$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), None, epochs=1, progress=False)),
+    ("fit-batches-iterator", TypeError, r"^batches: a one-shot iterator \(list_iterator\) cannot be replayed for "
+     r"epochs=2", lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), iter(_BATCHES), epochs=2, progress=False)),
+    ("fit-batches-callable", TypeError, r"^batches: expected batches\(0\) to return an iterable of batches, got "
+     r"NoneType None$", lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), lambda e: None, epochs=1,
+                                      progress=False)),
+    ("fit-loss", TypeError, r"^loss_fn \(step 0\): expected a real number, got str 'x'$",
+     lambda: T.fit(_FIT_MODEL, lambda m, b: "x", O.SGD(_FIT_MODEL), _BATCHES, epochs=1, progress=False)),
+    ("fit-optimizer", TypeError, r"^optimizer: expected an object with step\(\), zero_grad\(\)",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, None, _BATCHES, epochs=1, progress=False)),
+    ("bucket-batch_size", ValueError, r"^batch_size: expected an integer >= 1, got 0$",
+     lambda: T.bucket_batches([[1]], batch_size=0)),
+    ("bucket-batch_size-type", TypeError, r"^batch_size: expected an integer, got float 1.5$",
+     lambda: T.bucket_batches([[1]], batch_size=1.5)),
+    ("bucket-bucket_size", ValueError, r"^bucket_size: expected an integer >= batch_size \(2\), got 1$",
+     lambda: T.bucket_batches([[1]], batch_size=2, bucket_size=1)),
+    ("bucket-seqs", TypeError, r"^seqs: expected a sequence of integer id sequences, got str 'abc'$",
+     lambda: T.bucket_batches("abc", batch_size=2)),
+    ("bucket-pad_id", ValueError, r"^pad_id: expected an int64 id \(< 2\*\*63\), got 18446744073709551616$",
+     lambda: T.bucket_batches([[1]], batch_size=2, pad_id=2 ** 64)),
+    ("bucket-uint64-ids", ValueError, r"^seqs\[0\]: expected int64 ids \(< 2\*\*63\)",
+     lambda: T.bucket_batches([np.array([2 ** 63], np.uint64)], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW26, ids=_ids(ROW26))
+def test_row26_fit_and_bucket_batches(case):
+    params = {k: v.copy() for k, v in _FIT_MODEL.parameters().items()}
+    _run_cases(case)
+    for k, v in _FIT_MODEL.parameters().items():     # no step was taken
+        np.testing.assert_array_equal(v, params[k], err_msg=k)
