@@ -171,6 +171,11 @@ def save(model, path) -> None:
         return None
     target = os.fsdecode(_fspath(path))
     folder, base = os.path.split(target)
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"path: expected a file name, got the directory {target!r}")
+    if folder and not os.path.isdir(folder):
+        raise FileNotFoundError(f"path: expected a file in an existing directory, got {target!r} "
+                                f"(no directory {folder!r})")
     tmp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666: the file gets the umask's permissions, as open() would give it
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -325,6 +330,8 @@ def load(path, *, into=None):
         hint = (f" (there is {alt!r}: fastattn.save appends no suffix, np.savez does)"
                 if os.path.exists(alt) else "")
         raise FileNotFoundError(f"{where}: no such file{hint}") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{where}: expected a checkpoint file, got a directory") from None
     except (ValueError, EOFError, zipfile.BadZipFile) as exc:
         # a pickle is refused here by allow_pickle=False, before anything is unpickled
         raise ValueError(f"{where}: not a fastattn checkpoint (not an .npz archive: {exc})") from None

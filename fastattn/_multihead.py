@@ -767,7 +767,8 @@ def _backward(p, saved, g, query, key, value, given, combine):
                     grads[name] = d
 
     def back(dx, x, L):
-        dx = dx.reshape((B, L, -1) if p.batched else (L, -1))
+        # the feature size spelled out: -1 cannot be inferred when B or L is 0
+        dx = dx.reshape((B, L, dx.shape[-1]) if p.batched else (L, dx.shape[-1]))
         return dx.astype(grad_dtype(x, cdt), copy=False)
 
     dweights = {name: d.astype(grad_dtype(given[name], cdt), copy=False)

@@ -752,3 +752,192 @@ def score_neg_l1_vjp(q, k, gamma=1.0):
         w = ds[..., None] * np.sign(diff)
         return -gamma * w.sum(axis=-2), gamma * w.sum(axis=-3), {"gamma": -np.sum(ds * l1)}
     return -gamma * l1, vjp
+
+
+# --- layer_norm, activations, dropout (the training blocks)
+# Written from the definitions in float64, sharing no code with
+# fastattn._norm: the layer_norm backward is the explicit (E, E) Jacobian of
+# each row (dy_i/dx_j), contracted with the upstream gradient; the GELU is
+# x * ndtr(x) (the normal CDF, not erf), its tanh form x * sigmoid(2u).
+
+def _as64(a):
+    return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, the
+    variance biased (over E)."""
+    x, w, b = _as64(x), _as64(weight), _as64(bias)
+    E = x.shape[-1]
+    rows = x.reshape(-1, E)
+    mu = rows.sum(axis=1, keepdims=True) / E if E else np.zeros((rows.shape[0], 1))
+    var = ((rows - mu) ** 2).sum(axis=1, keepdims=True) / E if E else np.zeros((rows.shape[0], 1))
+    y = (rows - mu) / np.sqrt(var + eps)
+    if w is not None:
+        y = y * w[None, :]
+    if b is not None:
+        y = y + b[None, :]
+    return y.reshape(x.shape)
+
+
+def layer_norm_jacobian(x, weight=None, eps=1e-5):
+    """(rows, E, E): J[r, i, j] = d y[r, i] / d x[r, j] of layer_norm, from
+    x̂_i = (x_i - μ) σ⁻¹ with σ = sqrt(var + eps):
+    d x̂_i / d x_j = σ⁻¹ (δ_ij - 1/E) - σ⁻³ (x_i - μ)(x_j - μ) / E, times weight_i."""
+    x, w = _as64(x), _as64(weight)
+    E = x.shape[-1]
+    rows = x.reshape(-1, E)
+    n = rows.shape[0]
+    if E == 0:
+        return np.zeros((n, 0, 0))
+    mu = rows.mean(axis=1)
+    xc = rows - mu[:, None]
+    sigma = np.sqrt((xc ** 2).mean(axis=1) + eps)
+    eye = np.eye(E)
+    J = (eye[None] - 1.0 / E) / sigma[:, None, None] \
+        - np.einsum("ri,rj->rij", xc, xc) / (E * sigma[:, None, None] ** 3)
+    if w is not None:
+        J = J * w[None, :, None]
+    return J
+
+
+def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5):
+    """(dx, dweight, dbias): dx_j = Σ_i g_i J_ij (the explicit Jacobian),
+    dweight = Σ_rows g x̂, dbias = Σ_rows g (None when absent)."""
+    x = _as64(x)
+    E = x.shape[-1]
+    g = _as64(grad_out).reshape(-1, E)
+    J = layer_norm_jacobian(x, weight, eps)
+    dx = np.einsum("ri,rij->rj", g, J).reshape(x.shape)
+    xhat = layer_norm(x, None, None, eps).reshape(-1, E)
+    dw = None if weight is None else np.einsum("ri,ri->i", g, xhat)
+    db = None if bias is None else np.einsum("ri->i", g)
+    return dx, dw, db
+
+
+_GELU_C = np.sqrt(2.0 / np.pi)
+
+
+def gelu(x, approximate="none"):
+    """x Φ(x) (Φ = scipy.special.ndtr), or x sigmoid(2 √(2/π) (x + 0.044715 x³))
+    (= 0.5 x (1 + tanh(...)))."""
+    from scipy import special
+    x = _as64(x)
+    if approximate == "tanh":
+        return x * special.expit(2.0 * _GELU_C * (x + 0.044715 * x ** 3))
+    return x * special.ndtr(x)
+
+
+def gelu_backward(grad_out, x, approximate="none"):
+    """g * d gelu / dx: Φ(x) + x φ(x) (φ the normal density), or with
+    s = sigmoid(2u): s + x 2 s (1 - s) u'(x), u' = √(2/π) (1 + 3 0.044715 x²)."""
+    from scipy import special
+    x, g = _as64(x), _as64(grad_out)
+    if approximate == "tanh":
+        s = special.expit(2.0 * _GELU_C * (x + 0.044715 * x ** 3))
+        d = s + x * 2.0 * s * (1.0 - s) * _GELU_C * (1.0 + 3.0 * 0.044715 * x ** 2)
+    else:
+        d = special.ndtr(x) + x * np.exp(-x * x / 2.0) / np.sqrt(2.0 * np.pi)
+    return g * d
+
+
+def relu(x):
+    """x where x > 0, 0 elsewhere; NaN stays NaN."""
+    x = _as64(x)
+    return np.where(np.isnan(x), x, np.where(x > 0, x, 0.0))
+
+
+def relu_backward(grad_out, x):
+    """g where x > 0, else 0 (the gradient at 0 is 0)."""
+    return np.where(_as64(x) > 0, _as64(grad_out), 0.0)
+
+
+def dropout_backward(grad_out, keep, p):
+    """g / (1 - p) where kept, 0 where dropped."""
+    return np.where(np.asarray(keep, dtype=bool), _as64(grad_out) / (1.0 - p), 0.0)
+
+
+# --- losses (fastattn.losses), with torch's semantics
+# Each returns (loss, grad) as fastattn.losses does: loss a float for "mean" /
+# "sum", a float64 array for "none" (grad then that of loss.sum()).  The
+# cross-entropy gradient is the explicit log-softmax Jacobian
+# d log p_c / d z_j = δ_cj - p_j contracted with the target weights a_c
+# (loss = -Σ_c a_c log p_c); BCE from log σ(x) = -logaddexp(0, -x).
+
+def _reduce_loss(per, reduction, denom):
+    if reduction == "none":
+        return per, 1.0
+    total = float(np.sum(per))
+    if reduction == "sum":
+        return total, 1.0
+    return (total / denom if denom != 0 else float("nan")), (1.0 / denom if denom != 0 else 0.0)
+
+
+def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, weight=None,
+                  reduction="mean"):
+    """torch.nn.functional.cross_entropy and d(loss)/d(logits), in float64.
+
+    Class axis 1 (0 for 1-d logits).  Per sample, the class weights a_c:
+    class indices y: a_c = (1 - ε) w_y [c = y] + (ε / C) w_c (0 if y is
+    ignored), "mean" dividing by Σ w_y over the non-ignored samples;
+    probabilities t: a_c = w_c ((1 - ε) t_c + ε / C), "mean" dividing by the
+    number of samples."""
+    z = _as64(logits)
+    t = np.asarray(targets)
+    one = z.ndim == 1
+    if one:
+        z, t = z[None], t[None]
+    C = z.shape[1]
+    zl = np.moveaxis(z, 1, -1)                       # (N, d..., C)
+    lead = zl.shape[:-1]
+    zr = zl.reshape(-1, C)
+    w = np.ones(C) if weight is None else _as64(weight)
+    eps = float(label_smoothing)
+    m = zr.max(axis=1, keepdims=True) if zr.shape[0] else np.zeros((0, 1))
+    logp = zr - m - np.log(np.exp(zr - m).sum(axis=1, keepdims=True))
+    p = np.exp(logp)
+    if t.dtype.kind == "f":
+        tr = np.moveaxis(_as64(t), 1, -1).reshape(-1, C)
+        a = w[None, :] * ((1.0 - eps) * tr + eps / C)
+        denom = float(zr.shape[0])
+    else:
+        tr = t.reshape(-1).astype(np.int64)
+        valid = tr != ignore_index
+        onehot = (np.where(valid, tr, -1)[:, None] == np.arange(C)[None, :]).astype(np.float64)
+        wy = onehot @ w
+        a = (1.0 - eps) * wy[:, None] * onehot + (eps / C) * w[None, :] * valid[:, None]
+        denom = float(np.sum(wy))
+    per = -np.sum(a * logp, axis=1)
+    jac = np.eye(C)[None] - p[:, None, :]           # (n, c, j): δ_cj - p_j
+    grad = -np.einsum("nc,ncj->nj", a, jac)
+    loss, scale = _reduce_loss(per.reshape(lead), reduction, denom)
+    grad = np.moveaxis((grad * scale).reshape(lead + (C,)), -1, 1)
+    if one:
+        grad = grad[0]
+        if reduction == "none":
+            loss = loss[0]
+    return loss, grad
+
+
+def binary_cross_entropy_with_logits(logits, targets, *, weight=None, pos_weight=None,
+                                     reduction="mean"):
+    """-w (pw y log σ(x) + (1 - y) log(1 - σ(x))) elementwise; "mean" over all
+    elements; d/dx = w ((1 - y) σ(x) - pw y (1 - σ(x)))."""
+    from scipy import special
+    x, y = _as64(logits), _as64(targets)
+    w = np.ones_like(x) if weight is None else np.broadcast_to(_as64(weight), x.shape)
+    pw = np.ones_like(x) if pos_weight is None else np.broadcast_to(_as64(pos_weight), x.shape)
+    log_sig = -np.logaddexp(0.0, -x)
+    log_one_minus_sig = -np.logaddexp(0.0, x)
+    per = -w * (pw * y * log_sig + (1.0 - y) * log_one_minus_sig)
+    s = special.expit(x)
+    grad = w * ((1.0 - y) * s - pw * y * (1.0 - s))
+    loss, scale = _reduce_loss(per, reduction, float(x.size))
+    return loss, grad * scale
+
+
+def mse(pred, target, *, reduction="mean"):
+    """(pred - target)² elementwise, "mean" over all elements; d/dpred = 2 (pred - target)."""
+    d = _as64(pred) - _as64(target)
+    loss, scale = _reduce_loss(d * d, reduction, float(d.size))
+    return loss, 2.0 * d * scale

@@ -353,7 +353,8 @@ def binary_cross_entropy_with_logits(logits, targets, *, weight=None, pos_weight
     if reduction == "mean":
         grad = grad * cdt.type(_mean_scale(count))
     loss = _finish(per, reduction, count, rdt, x.shape)
-    return loss, grad.astype(rdt, copy=False)
+    # np.asarray: for 0-d logits the arithmetic above gives NumPy scalars, not arrays
+    return loss, np.asarray(grad, dtype=rdt)
 
 
 # --------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def _betas(value, name="betas") -> tuple:
 
 # ================================================================ parameters
 def _is_model(obj) -> bool:
-    return callable(getattr(obj, "named_parameters", None)) and callable(getattr(obj, "named_grads", None))
+    # a layer class (not an instance) has the methods too, unbound
+    return not isinstance(obj, type) and callable(getattr(obj, "named_parameters", None)) and callable(getattr(obj, "named_grads", None))
 
 
 def _check_triple(name, param, grad, label):
@@ -141,6 +142,10 @@ def _collect(source, label="params") -> list:
                              f"parameter {extra}, parameters {pnames}, gradients {gnames}")
         items = [(n, p, g) for (n, p), (_, g) in zip(params, grads)]
     else:
+        if isinstance(source, type):
+            raise TypeError(f"{label}: expected a model (with named_parameters() and named_grads()) "
+                            f"or an iterable of (name, param, grad) triples, got the class "
+                            f"{source.__name__} (not an instance of it)")
         if isinstance(source, (str, bytes, np.ndarray, Mapping)) or not hasattr(source, "__iter__"):
             raise TypeError(f"{label}: expected a model (with named_parameters() and named_grads()) "
                             f"or an iterable of (name, param, grad) triples, got {type(source).__name__}")

@@ -542,6 +542,9 @@ def _as_seqs(seqs):
             raise TypeError(f"seqs[{i}]: expected integer ids, got dtype {a.dtype}")
         if a.size == 0:
             raise ValueError(f"seqs[{i}]: expected at least one id, got an empty sequence")
+        if a.dtype.kind == "u" and a.dtype.itemsize == 8 and int(a.max()) >= 2 ** 63:
+            # astype(int64) would wrap them to negative ids
+            raise ValueError(f"seqs[{i}]: expected int64 ids (< 2**63), got {int(a.max())}")
         out.append(a.astype(np.int64, copy=False))
     if not out:
         raise ValueError("seqs: expected at least one sequence, got none")

@@ -874,3 +874,687 @@ def test_row15_loaded_arrays_are_copies(name):
 def test_row15_bad_from_torch(cls, sd, exc, match):
     with pytest.raises(exc, match=match):
         cls.from_torch(sd)
+
+
+# ======================================================================
+# The training API: the second table of docs/bad_input.md, rows 18-26
+#
+# Each case is (id, exception, regex, call); every regex starts with ``^`` and
+# the parameter's name.  The inputs are the module-level arrays of ``_T`` (and
+# read-only copies of them); every test checks them unchanged afterwards.
+
+import io  # noqa: E402
+import re  # noqa: E402
+
+from fastattn import losses as LS  # noqa: E402
+from fastattn import optim as O  # noqa: E402
+from fastattn import train as T  # noqa: E402
+
+_T = dict(
+    x=_r(2, 5, 4), w=_r(4), b=_r(4), g=_r(2, 5, 4),
+    keep=RNG.random((2, 5, 4)) < 0.7,
+    z=_r(4, 3), t=np.array([0, 2, 1, -100]), cw=RNG.random(3) + 0.5,
+    y=(RNG.random((4, 3)) < 0.5).astype(np.float64),
+)
+_BLOCKS = {  # float64 layers, built once; dropout 0 in the transformer (deterministic)
+    "LayerNorm": L.LayerNorm(4, dtype=np.float64),
+    "Dropout": L.Dropout(0.3, seed=0),
+    "FeedForward": L.FeedForward(4, 6, seed=0, dtype=np.float64),
+    "MeanPooling": L.MeanPooling(),
+    "Sequential": L.Sequential(L.Linear(4, 4, seed=0, dtype=np.float64), L.LayerNorm(4, dtype=np.float64)),
+    "AttentionPooling": L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64),
+    "PositionalEmbedding": L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64),
+    "TransformerEncoderLayer": L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64),
+    "TransformerEncoder": L.TransformerEncoder(
+        L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64), 2, norm=True, seed=0),
+}
+
+
+def _run_cases(case, inputs=None):
+    """Run one (id, exc, regex, call) case; the inputs are unchanged after."""
+    inputs = _T if inputs is None else inputs
+    saved = _snapshot(inputs)
+    _, exc, match, call = case
+    assert match.startswith("^"), match
+    with pytest.raises(exc, match=match):
+        call()
+    _assert_unchanged(inputs, saved)
+
+
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+def _fb(layer, x, *args):
+    """forward_backward's output and the input gradient of a ones grad_out."""
+    out, back = layer.forward_backward(x, *args)
+    o = out[0] if isinstance(out, tuple) else out
+    return o, back(np.ones_like(o))[0]
+
+
+# ---------------------------------------------------------------- row 18: wrong rank
+_X = _T["x"]
+ROW18 = [
+    ("layer_norm-0d", ValueError, r"^x: expected an array with at least 1 dim \(\.\.\., E\), got shape \(\)$",
+     lambda: F.layer_norm(np.float64(1.0))),
+    ("layer_norm_backward-0d", ValueError, r"^x: expected an array with at least 1 dim",
+     lambda: F.layer_norm_backward(np.float64(1.0), np.float64(1.0))),
+    ("cross_entropy-0d", ValueError, r"^logits: expected an array of shape \(C,\), \(N, C\) or \(N, C, d1, \.\.\.\), "
+     r"got a 0-d array$", lambda: LS.cross_entropy(np.float64(1.0), 0)),
+] + [
+    (f"{n}-{nd}d", ValueError, rf"^x: expected a {want} array, got {nd}-d array of shape",
+     lambda n=n, nd=nd: _BLOCKS[n](np.ones((1,) * (nd - 1) + (4,)) if nd else np.float64(1.0)))
+    for n, want, nds in [("LayerNorm", "1-d to 32-d", (0, 33)), ("FeedForward", "1-d to 32-d", (0,)),
+                         ("Sequential", "1-d to 32-d", (0,)), ("MeanPooling", "3-d", (0, 2, 4)),
+                         ("AttentionPooling", "3-d", (1, 2, 4)),
+                         ("PositionalEmbedding", "2-d or 3-d", (0, 1, 4))]
+    for nd in nds
+] + [
+    ("bucket_batches-1d-array", ValueError, r"^seqs: expected a 2-d integer array or a list of 1-d sequences, "
+     r"got array of shape \(3,\)", lambda: T.bucket_batches(np.arange(3), batch_size=2)),
+    ("bucket_batches-nested", ValueError, r"^seqs\[1\]: expected a 1-d sequence of ids, got array of shape \(1, 2\)",
+     lambda: T.bucket_batches([[1, 2], [[1, 2]]], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW18, ids=_ids(ROW18))
+def test_row18_wrong_rank(case):
+    _run_cases(case)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3, 4, 5)], ids=str)
+def test_row18_elementwise_ops_take_any_rank(shape):
+    """gelu / relu / dropout, bce and mse are elementwise: any rank, the input's shape."""
+    x = RNG.standard_normal(shape)
+    for fn in (F.gelu, F.relu, lambda a: F.dropout(a, 0.5, rng=np.random.default_rng(0))[0],
+               lambda a: LS.binary_cross_entropy_with_logits(a, np.ones(shape))[1],
+               lambda a: LS.mse(a, np.zeros(shape))[1], _BLOCKS["Dropout"]):
+        assert np.shape(fn(x)) == shape
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoderLayer / "
+                                       "TransformerEncoder name x 'query' (MultiHeadAttention's)")
+@pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerEncoder"])
+def test_row18_transformer_errors_name_x(name):
+    with pytest.raises(ValueError, match=r"^x: "):
+        _BLOCKS[name](np.ones(4))
+    with pytest.raises(ValueError, match=r"^x: "):
+        _BLOCKS[name](np.ones((2, 5, 3)))
+    with pytest.raises(TypeError, match=r"^x: "):
+        _BLOCKS[name](np.ones((2, 5, 4), complex))
+
+
+# ---------------------------------------------------------------- row 19: mismatched sizes
+ROW19 = [
+    ("layer_norm-weight", ValueError, r"^weight: expected shape \(4,\) \(x's last dim\), got \(3,\)$",
+     lambda: F.layer_norm(_T["x"], _T["w"][:3])),
+    ("layer_norm-bias", ValueError, r"^bias: expected shape \(4,\) \(x's last dim\), got \(1, 4\)$",
+     lambda: F.layer_norm(_T["x"], _T["w"], _T["b"][None])),
+    ("layer_norm_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(2, 5, 3\)$",
+     lambda: F.layer_norm_backward(_T["g"][..., :3], _T["x"], _T["w"], _T["b"])),
+    ("gelu_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(5, 4\)$",
+     lambda: F.gelu_backward(_T["g"][0], _T["x"])),
+    ("relu_backward-grad_out", ValueError, r"^grad_out: expected shape \(2, 5, 4\), got \(2, 5, 3\)$",
+     lambda: F.relu_backward(_T["g"][..., :3], _T["x"])),
+    ("dropout_backward-keep", ValueError, r"^grad_out: expected shape \(5, 4\), got \(2, 5, 4\)$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"][0], 0.3)),
+    ("cross_entropy-targets", ValueError, r"^targets: expected class indices of shape \(4,\) \(logits' shape "
+     r"\(4, 3\) without the class axis 1\) or class probabilities of shape \(4, 3\), got shape \(3,\)$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"][:3])),
+    ("cross_entropy-probabilities", ValueError, r"^targets: floating targets are class probabilities and must "
+     r"have the logits' shape \(4, 3\), got shape \(4, 2\)", lambda: LS.cross_entropy(_T["z"], _T["y"][:, :2])),
+    ("cross_entropy-class-range", ValueError, r"^targets: expected class indices in \[0, 3\) or ignore_index=-100, "
+     r"got 3 at index \(1,\) \(1 out of range\)$", lambda: LS.cross_entropy(_T["z"], np.array([0, 3, 1, 2]))),
+    ("cross_entropy-weight", ValueError, r"^weight: expected shape \(C,\) = \(3,\), one weight per class, got "
+     r"shape \(4,\)$", lambda: LS.cross_entropy(_T["z"], _T["t"], weight=_T["w"])),
+    ("bce-targets", ValueError, r"^targets: expected the logits' shape \(4, 3\), got shape \(3, 4\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"].T)),
+    ("bce-weight", ValueError, r"^weight: expected a shape that broadcasts to the logits' shape \(4, 3\), got \(4,\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], weight=_T["w"])),
+    ("bce-pos_weight-enlarges", ValueError, r"^pos_weight: expected a shape that broadcasts to the logits' shape "
+     r"\(4, 3\), got \(2, 4, 3\)$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], pos_weight=np.ones((2, 4, 3)))),
+    ("mse-target", ValueError, r"^target: expected pred's shape \(4, 3\), got shape \(3,\)$",
+     lambda: LS.mse(_T["z"], _T["cw"])),
+] + [
+    (f"{n}-last-dim", ValueError, r"^x: expected last dim 4, got shape \(2, 5, 3\)$",
+     lambda n=n: _BLOCKS[n](_T["x"][..., :3]))
+    for n in ("LayerNorm", "FeedForward", "Sequential", "AttentionPooling", "PositionalEmbedding")
+] + [
+    ("PositionalEmbedding-max_len", ValueError, r"^x: expected at most max_len=8 positions, got 9$",
+     lambda: _BLOCKS["PositionalEmbedding"](np.ones((2, 9, 4)))),
+    ("MeanPooling-mask", ValueError, r"^mask: expected shape \(2, 5\), got \(2, 4\)$",
+     lambda: _BLOCKS["MeanPooling"](_T["x"], _T["keep"][:, :4, 0])),
+    ("AttentionPooling-mask", ValueError, r"^mask: expected shape \(2, 5\), got \(5,\)$",
+     lambda: _BLOCKS["AttentionPooling"](_T["x"], _T["keep"][0, :, 0])),
+    ("TransformerEncoderLayer-key_mask", ValueError, r"^key_mask: expected shape \(2, 5\) \(\(B, Lk\), True = "
+     r"real token\), got \(2, 4\)$", lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], key_mask=_T["keep"][:, :4, 0])),
+    ("TransformerEncoder-attn_mask", ValueError, r"^attn_mask: expected a shape broadcastable to \(B=2, "
+     r"num_heads=2, Lq=5, Lk=5\), got \(4, 4\)$",
+     lambda: _BLOCKS["TransformerEncoder"](_T["x"], attn_mask=np.ones((4, 4), bool))),
+] + [
+    (f"{n}-backprop-grad_out", ValueError, rf"^grad_out: expected shape \({s}\), got",
+     lambda n=n: _BLOCKS[n].forward_backward(_T["x"])[1](np.ones((2, 5, 5))))
+    for n, s in [("LayerNorm", "2, 5, 4"), ("Dropout", "2, 5, 4"), ("FeedForward", "2, 5, 4"),
+                 ("MeanPooling", "2, 4"), ("Sequential", "2, 5, 4"), ("PositionalEmbedding", "2, 5, 4"),
+                 ("TransformerEncoderLayer", "2, 5, 4"), ("TransformerEncoder", "2, 5, 4")]
+] + [
+    ("optim-grad-shape", ValueError, r"^params\['w'\]: expected a gradient of the parameter's shape \(4,\), "
+     r"got \(3,\)$", lambda: O.Adam([("w", _T["w"], _T["b"][:3])])),
+    ("load-into-shape", ValueError, r"^into: the Linear does not have the checkpoint's config: in_features: "
+     r"checkpoint 4, model 5$", lambda: fastattn.load(_checkpoint_bytes(), into=L.Linear(5, 3, dtype=np.float64))),
+    ("bucket_batches-labels", ValueError, r"^labels: expected one label per sequence \(3\), got 2$",
+     lambda: T.bucket_batches([[1], [2, 3], [4]], [0, 1], batch_size=2)),
+]
+
+
+def _checkpoint_bytes():
+    """A saved Linear(4, 3) (float64), as a file object."""
+    f = io.BytesIO()
+    fastattn.save(L.Linear(4, 3, seed=0, dtype=np.float64), f)
+    f.seek(0)
+    return f
+
+
+@pytest.mark.parametrize("case", ROW19, ids=_ids(ROW19))
+def test_row19_mismatched_sizes(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 20: dtypes
+BAD_DTYPES_T = [np.complex128, object, "U1", np.longdouble, "datetime64[D]"]
+
+
+def _bad(a, dtype):
+    return np.full(a.shape, "a") if dtype == "U1" else (
+        np.zeros(a.shape, dtype) if dtype == "datetime64[D]" else a.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES_T, ids=lambda d: np.dtype(d).name)
+def test_row20_bad_dtypes_raise(dtype):
+    x, g, z, y = _T["x"], _T["g"], _T["z"], _T["y"]
+    bx, bz = _bad(x, dtype), _bad(z, dtype)
+    name = np.dtype(dtype).name if dtype not in ("U1",) else "<U1"
+    real = r"^{p}: expected a real floating array, got dtype "
+    cases = [
+        (TypeError, real.format(p="x"), lambda: F.layer_norm(bx)),
+        (TypeError, real.format(p="weight"), lambda: F.layer_norm(x, _bad(_T["w"], dtype))),
+        (TypeError, real.format(p="bias"), lambda: F.layer_norm(x, None, _bad(_T["b"], dtype))),
+        (TypeError, real.format(p="x"), lambda: F.layer_norm_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.gelu(bx)),
+        (TypeError, real.format(p="x"), lambda: F.gelu_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.relu(bx)),
+        (TypeError, real.format(p="x"), lambda: F.relu_backward(g, bx)),
+        (TypeError, real.format(p="x"), lambda: F.dropout(bx, 0.5, rng=np.random.default_rng(0))),
+        (TypeError, r"^grad_out: expected a real floating array \(float16, float32 or float64\), got dtype",
+         lambda: F.dropout_backward(_bad(g, dtype), _T["keep"], 0.5)),
+        (TypeError, r"^logits: expected real numbers", lambda: LS.cross_entropy(bz, _T["t"])),
+        (TypeError, r"^logits: expected real numbers", lambda: LS.binary_cross_entropy_with_logits(bz, y)),
+        (TypeError, r"^targets: expected (integer class indices|target probabilities)",
+         lambda: LS.binary_cross_entropy_with_logits(z, _bad(y, dtype))),
+        (TypeError, r"^weight: expected real numbers", lambda: LS.cross_entropy(z, _T["t"], weight=_bad(_T["cw"], dtype))),
+        (TypeError, r"^pred: expected real numbers", lambda: LS.mse(bz, z)),
+        (TypeError, r"^target: expected real numbers", lambda: LS.mse(z, bz)),
+    ]
+    if dtype != np.longdouble:   # a float128 array of class probabilities is refused as a dtype too
+        cases.append((TypeError, r"^targets: expected integer class indices or floating class probabilities, "
+                                 rf"got dtype {re.escape(name)}$", lambda: LS.cross_entropy(z, _bad(y, dtype))))
+    for n in _BLOCKS:
+        if n.startswith("Transformer"):
+            continue   # they name x 'query': test_row18_transformer_errors_name_x
+        want = r"^x: expected a real floating array" if n == "Dropout" else \
+            r"^x: expected real numbers \(float32/float64\), got dtype "
+        cases.append((TypeError, want, lambda n=n: _BLOCKS[n](bx)))
+    for i, (exc, match, call) in enumerate(cases):
+        _run_cases((str(i), exc, match, call))
+
+
+ROW20 = [
+    ("layer_norm_backward-int-grad", TypeError, r"^grad_out: expected a real floating array \(float16, float32 or "
+     r"float64\), got dtype int64$", lambda: F.layer_norm_backward(np.ones((2, 5, 4), np.int64), _T["x"])),
+    ("gelu_backward-int-grad", TypeError, r"^grad_out: expected a real floating array", lambda: F.gelu_backward(
+        np.ones((2, 5, 4), np.int64), _T["x"])),
+    ("dropout_backward-int-keep", TypeError, r"^keep: expected the boolean mask dropout returned, got dtype int64$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"].astype(np.int64), 0.3)),
+    ("cross_entropy-bool-targets", TypeError, r"^targets: expected integer class indices or floating class "
+     r"probabilities, got dtype bool$", lambda: LS.cross_entropy(_T["z"], _T["t"] > 0)),
+    ("MeanPooling-int-mask", TypeError, r"^mask: expected a boolean array \(True = real position\), got dtype int64$",
+     lambda: _BLOCKS["MeanPooling"](_T["x"], np.ones((2, 5), np.int64))),
+    ("AttentionPooling-int-mask", TypeError, r"^mask: expected a boolean array", lambda: _BLOCKS["AttentionPooling"](
+        _T["x"], np.ones((2, 5), np.int64))),
+    ("TransformerEncoderLayer-int-key_mask", TypeError, r"^key_mask: expected a bool array of shape \(2, 5\)",
+     lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], key_mask=np.ones((2, 5), np.int64))),
+    ("optim-int-param", TypeError, r"^params\['w'\]: expected a floating-point parameter, got dtype int64$",
+     lambda: O.SGD([("w", np.ones(3, np.int64), np.zeros(3, np.int64))])),
+    ("optim-grad-dtype", TypeError, r"^params\['w'\]: expected a gradient of the parameter's dtype float64, got "
+     r"float32$", lambda: O.SGD([("w", _T["w"], np.zeros(4, np.float32))])),
+    ("bucket_batches-float-ids", TypeError, r"^seqs\[0\]: expected integer ids, got dtype float64$",
+     lambda: T.bucket_batches([[1.5, 2.0]], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW20, ids=_ids(ROW20))
+def test_row20_wrong_dtype_of_masks_grads_and_ids(case):
+    _run_cases(case)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.int64, np.float16, np.float32])
+def test_row20_promotion(dtype):
+    """bool / integer inputs are computed in float64; float16 in float32 (layer_norm, gelu:
+    a float32 result; relu, dropout and every backward: float16, the input's dtype)."""
+    x = (_T["x"] > 0) if dtype == np.bool_ else (_T["x"] * 3).astype(dtype)
+    x64 = x.astype(np.float64)
+    cd = np.float32 if dtype in (np.float16, np.float32) else np.float64
+    gd = dtype if dtype in (np.float16, np.float32) else np.float64
+    g = _T["g"].astype(gd)
+    assert F.layer_norm(x).dtype == cd and F.gelu(x).dtype == cd
+    assert F.relu(x).dtype == gd and F.dropout(x, 0.5, rng=np.random.default_rng(0))[0].dtype == gd
+    assert F.layer_norm_backward(g, x)[0].dtype == gd and F.gelu_backward(g, x).dtype == gd
+    assert F.relu_backward(g, x).dtype == gd
+    tol = 1e-12 if cd == np.float64 else 1e-5
+    np.testing.assert_allclose(F.layer_norm(x), F.layer_norm(x64), rtol=tol, atol=tol)
+    np.testing.assert_allclose(F.gelu(x), F.gelu(x64), rtol=tol, atol=tol)
+    z = x[0] if dtype != np.bool_ else x[0]
+    for fn in (lambda a: LS.cross_entropy(a, np.array([0, 1, 2, 3, 0]) % 4),
+               lambda a: LS.mse(a, np.zeros(a.shape)),
+               lambda a: LS.binary_cross_entropy_with_logits(a, np.ones(a.shape))):
+        loss, grad = fn(z)
+        assert type(loss) is float and grad.dtype == gd
+        loss64, grad64 = fn(z.astype(np.float64))
+        assert loss == pytest.approx(loss64, rel=10 * tol, abs=10 * tol)
+    for n in ("LayerNorm", "FeedForward", "PositionalEmbedding", "TransformerEncoderLayer"):
+        y = _BLOCKS[n](x)
+        assert y.dtype == np.float64     # float64 layers
+        np.testing.assert_allclose(y, _BLOCKS[n](x64), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- row 21: zero-size dims
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0, 4)], ids=["rows0", "L0"])
+def test_row21_zero_rows_give_empty_results(shape):
+    x, g = np.zeros(shape), np.zeros(shape)
+    for got in (F.layer_norm(x, _T["w"], _T["b"]), F.gelu(x), F.relu(x), F.dropout(x, 0.5, rng=np.random.default_rng(0))[0],
+                F.gelu_backward(g, x), F.relu_backward(g, x), F.dropout_backward(g, x > 0, 0.5),
+                LS.mse(x, x, reduction="none")[1], LS.binary_cross_entropy_with_logits(x, x)[1]):
+        assert got.shape == shape
+    dx, dw, db = F.layer_norm_backward(g, x, _T["w"], _T["b"])
+    assert dx.shape == shape
+    np.testing.assert_array_equal(dw, 0.0)
+    np.testing.assert_array_equal(db, 0.0)
+
+
+def test_row21_zero_size_losses():
+    """"mean" over nothing is nan with an all-zero (empty) gradient, "sum" is 0; C = 0 raises."""
+    for fn, args in ((LS.cross_entropy, (np.zeros((0, 3)), np.zeros(0, np.int64))),
+                     (LS.binary_cross_entropy_with_logits, (np.zeros((0, 3)), np.zeros((0, 3)))),
+                     (LS.mse, (np.zeros((0, 3)), np.zeros((0, 3))))):
+        loss, grad = fn(*args)
+        assert math.isnan(loss) and grad.shape == (0, 3)
+        assert fn(*args, reduction="sum")[0] == 0.0
+    loss, grad = LS.cross_entropy(_T["z"], np.full(4, -100))
+    assert math.isnan(loss)
+    np.testing.assert_array_equal(grad, 0.0)
+    _run_cases(("C0", ValueError, r"^logits: expected at least one class \(C >= 1 on the class axis\), got shape "
+                r"\(2, 0\)$", lambda: LS.cross_entropy(np.zeros((2, 0)), np.zeros(2, np.int64))))
+
+
+@pytest.mark.parametrize("name", [n for n in _BLOCKS if n != "AttentionPooling"])
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
+def test_row21_blocks_with_zero_batch_or_length(name, shape):
+    if name == "PositionalEmbedding" and shape[1] == 0:
+        pytest.skip("its backprop fails: test_row21_positional_embedding_backprop_with_zero_length")
+    x = np.zeros(shape)
+    out, dx = _fb(_BLOCKS[name], x)
+    assert dx.shape == shape
+    want = shape[:1] + shape[2:] if name == "MeanPooling" else shape
+    assert out.shape == want
+    if name == "MeanPooling":
+        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to average
+
+
+@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): PositionalEmbedding's backprop "
+                                       "reshapes grad_out to (-1, L, E): NumPy's 'cannot reshape array of size 0'")
+def test_row21_positional_embedding_backprop_with_zero_length():
+    layer = L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64)
+    out, backprop = layer.forward_backward(np.zeros((2, 0, 4)))
+    assert backprop(np.zeros(out.shape))[0].shape == (2, 0, 4)
+
+
+@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): AttentionPooling raises NumPy's "
+                                       "'cannot reshape array of size 0' (B = 0) and 'zero-size array to "
+                                       "reduction operation maximum' (L = 0)")
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
+def test_row21_attention_pooling_with_zero_batch_or_length(shape):
+    out = _BLOCKS["AttentionPooling"](np.zeros(shape))
+    assert out.shape == (shape[0], 8)
+
+
+ROW21 = [
+    ("optim-no-params", ValueError, r"^params: expected at least one parameter, got none$", lambda: O.Adam([])),
+    ("bucket_batches-no-seqs", ValueError, r"^seqs: expected at least one sequence, got none$",
+     lambda: T.bucket_batches([], batch_size=2)),
+    ("bucket_batches-empty-seq", ValueError, r"^seqs\[1\]: expected at least one id, got an empty sequence$",
+     lambda: T.bucket_batches([[1], []], batch_size=2)),
+    ("fit-no-batch", ValueError, r"^batches: epoch 0 gave no batch$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL, lr=0.1), [], epochs=1, progress=False)),
+]
+
+_FIT_MODEL = L.Linear(4, 3, seed=0, dtype=np.float64)
+
+
+def _fit_loss(model, batch):
+    x, y = batch
+    out, back = model.forward_backward(x)
+    loss, grad = LS.cross_entropy(out, y)
+    back(grad)
+    return loss
+
+
+@pytest.mark.parametrize("case", ROW21, ids=_ids(ROW21))
+def test_row21_nothing_to_train_on(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 22: layouts
+def _elementwise_calls():
+    w, b = _T["w"], _T["b"]
+    return {
+        "layer_norm": lambda x, g: F.layer_norm(x, w, b),
+        "layer_norm_backward": lambda x, g: np.concatenate(
+            [a.ravel() for a in F.layer_norm_backward(g, x, w, b)]),
+        "gelu": lambda x, g: F.gelu(x), "gelu_backward": lambda x, g: F.gelu_backward(g, x, approximate="tanh"),
+        "relu": lambda x, g: F.relu(x), "relu_backward": lambda x, g: F.relu_backward(g, x),
+        "dropout": lambda x, g: F.dropout(x, 0.4, rng=np.random.default_rng(3))[0],
+        "dropout_backward": lambda x, g: F.dropout_backward(g, x > 0, 0.4),
+        "cross_entropy": lambda x, g: LS.cross_entropy(x.reshape(10, 4), np.arange(10) % 4,
+                                                        label_smoothing=0.1)[1],
+        "cross_entropy-probs": lambda x, g: LS.cross_entropy(x, np.abs(g) / np.abs(g).sum(1, keepdims=True))[1],
+        "bce": lambda x, g: LS.binary_cross_entropy_with_logits(x, (g > 0) * 1.0, pos_weight=np.abs(w))[1],
+        "mse": lambda x, g: LS.mse(x, g)[1],
+        **{n: (lambda x, g, n=n: _fb(_BLOCKS[n], x)[1]) for n in _BLOCKS if n != "Dropout"},
+        "Dropout": lambda x, g: _fb(L.Dropout(0.3, seed=0), x)[1],   # a fresh mask stream per call
+    }
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("op", list(_elementwise_calls()))
+def test_row22_layouts(op, kind):
+    call = _elementwise_calls()[op]
+    base = dict(x=_T["x"], g=_T["g"])
+    for param in base:
+        inputs = dict(base)
+        inputs[param] = _layout(base[param], kind)
+        saved = _snapshot(inputs)
+        got = call(**inputs)
+        want = call(**{k: np.array(v, order="C") for k, v in inputs.items()})
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{param} {kind}")
+        _assert_unchanged(inputs, saved)
+
+
+def test_row22_read_only_parameters_refused_at_step():
+    w = _T["w"].copy()
+    w.flags.writeable = False
+    opt = O.SGD([("w", w, np.ones(4))], lr=0.1)
+    _run_cases(("ro", ValueError, r"^params\['w'\]: the parameter array is read-only \(a frozen layer\? "
+                r"unfreeze it to train\)$", opt.step), dict(w=w))
+
+
+# ---------------------------------------------------------------- row 23: NaN / inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy's, on inf - inf
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_row23_nonfinite_stays_in_its_row(bad):
+    x = _T["x"].copy()
+    x[0, 1, 2] = bad
+    others = np.ones(x.shape[:2], bool)
+    others[0, 1] = False
+    for out in (F.layer_norm(x, _T["w"], _T["b"]), F.layer_norm_backward(_T["g"], x)[0],
+                _BLOCKS["LayerNorm"](x), _BLOCKS["FeedForward"](x), _BLOCKS["Sequential"](x)):
+        assert np.all(np.isfinite(out[others])) and not np.all(np.isfinite(out[0, 1]))
+    # the elementwise ops: only that element
+    for out in (F.gelu(x), F.relu(x), F.gelu_backward(_T["g"], x)):
+        flat = np.ravel_multi_index((0, 1, 2), x.shape)
+        assert np.all(np.isfinite(np.delete(out.ravel(), flat))) and not np.isfinite(out.ravel()[flat])
+    # losses: that sample's loss and gradient, as torch; "mean" becomes nan
+    z = _T["z"].copy()
+    z[1, 0] = bad
+    for loss, grad in (LS.cross_entropy(z, _T["t"], reduction="none"),
+                       LS.binary_cross_entropy_with_logits(z, _T["y"], reduction="none"),
+                       LS.mse(z, _T["y"], reduction="none")):
+        rows = np.ones(4, bool)
+        rows[1] = False
+        assert np.all(np.isfinite(loss[rows])) and np.all(np.isfinite(grad[rows]))
+    assert math.isnan(LS.cross_entropy(z, _T["t"])[0])
+    # the pooling and transformer blocks: that batch item
+    for n in ("MeanPooling", "AttentionPooling", "TransformerEncoderLayer", "TransformerEncoder"):
+        out = _BLOCKS[n](x)
+        assert np.all(np.isfinite(out[1])) and not np.all(np.isfinite(out[0])), n
+
+
+def test_row23_nonfinite_elementwise_values():
+    """gelu(-inf) and its gradient at +-inf are nan (torch's too); relu's gradient is 0 at NaN."""
+    x = np.array([np.nan, np.inf, -np.inf, 0.0])
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(F.gelu(x), [np.nan, np.inf, np.nan, 0.0])
+        np.testing.assert_array_equal(F.relu(x), [np.nan, np.inf, 0.0, 0.0])
+        np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [0.0, 1.0, 0.0, 0.0])
+
+
+def test_row23_nonfinite_gradients_in_clip_grad_norm():
+    g = np.array([np.inf, 1.0, 0.0, 0.0])
+    model = [("w", _T["w"].copy(), g.copy())]
+    _run_cases(("inf", RuntimeError, r"^clip_grad_norm: the total norm of order 2.0 of the gradients is non-finite "
+                r"\(inf\), so it cannot be clipped", lambda: O.clip_grad_norm(model, 1.0, error_if_nonfinite=True)),
+               dict(g=model[0][2]))
+    np.testing.assert_array_equal(model[0][2], g)   # no gradient changed
+    with np.errstate(invalid="ignore"):
+        assert O.clip_grad_norm(model, 1.0) == math.inf    # as torch: scaled by 0 (inf * 0 = nan)
+    np.testing.assert_array_equal(model[0][2], [np.nan, 0.0, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------- row 24: options and hyperparameters
+ROW24 = [
+    ("layer_norm-eps", ValueError, r"^eps: expected a finite number >= 0, got -1.0$", lambda: F.layer_norm(_T["x"], eps=-1)),
+    ("layer_norm-eps-type", TypeError, r"^eps: expected a real number, got str", lambda: F.layer_norm(_T["x"], eps="a")),
+    ("gelu-approximate", ValueError, r"^approximate: expected 'none' or 'tanh', got 'erf'$",
+     lambda: F.gelu(_T["x"], approximate="erf")),
+    ("dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$",
+     lambda: F.dropout(_T["x"], 1.0, rng=np.random.default_rng(0))),
+    ("dropout-p-type", TypeError, r"^p: expected a probability \(a real number\), got bool",
+     lambda: F.dropout(_T["x"], True, rng=np.random.default_rng(0))),
+    ("dropout-rng", TypeError, r"^rng: expected a numpy.random.Generator, got int", lambda: F.dropout(_T["x"], 0.5, rng=0)),
+    ("dropout_backward-p", ValueError, r"^p: expected a probability in \[0, 1\), got nan$",
+     lambda: F.dropout_backward(_T["g"], _T["keep"], float("nan"))),
+    ("reduction", ValueError, r"^reduction: expected one of 'mean', 'sum', 'none', got 'avg'$",
+     lambda: LS.mse(_T["z"], _T["z"], reduction="avg")),
+    ("reduction-type", TypeError, r"^reduction: expected one of 'mean', 'sum', 'none', got NoneType None$",
+     lambda: LS.binary_cross_entropy_with_logits(_T["z"], _T["y"], reduction=None)),
+    ("label_smoothing", ValueError, r"^label_smoothing: expected a float in \[0, 1\], got 2$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"], label_smoothing=2)),
+    ("ignore_index", TypeError, r"^ignore_index: expected an int, got float 1.5$",
+     lambda: LS.cross_entropy(_T["z"], _T["t"], ignore_index=1.5)),
+    ("LayerNorm-normalized_shape", TypeError, r"^normalized_shape: expected an int >= 1, got tuple \(4,\)$",
+     lambda: L.LayerNorm((4,))),
+    ("Dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$", lambda: L.Dropout(1.0)),
+    ("FeedForward-activation", ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$",
+     lambda: L.FeedForward(4, 8, activation="tanh")),
+    ("AttentionPooling-hops", ValueError, r"^hops: expected an int >= 1, got 0$", lambda: L.AttentionPooling(4, 3, hops=0)),
+    ("PositionalEmbedding-kind", ValueError, r"^kind: expected 'learned' or 'sinusoidal', got 'rope'$",
+     lambda: L.PositionalEmbedding(8, 4, kind="rope")),
+    ("TransformerEncoderLayer-dropout", ValueError, r"^dropout: expected a probability in \[0, 1\), got 1.0$",
+     lambda: L.TransformerEncoderLayer(4, 2, 8, dropout=1.0)),
+    ("TransformerEncoder-num_layers", ValueError, r"^num_layers: expected an int >= 1, got 0$",
+     lambda: L.TransformerEncoder(_BLOCKS["TransformerEncoderLayer"], 0)),
+    ("TransformerEncoderLayer-is_causal", TypeError, r"^is_causal: expected a bool, got str",
+     lambda: _BLOCKS["TransformerEncoderLayer"](_T["x"], is_causal="yes")),
+] + [
+    (f"{cls.__name__}-{name}-{bad!r}", exc, match, lambda cls=cls, kw={name: bad}: cls(_FIT_MODEL, **kw))
+    for cls in (O.SGD, O.Adam, O.AdamW)
+    for name, bad, exc, match in [
+        ("lr", -1, ValueError, r"^lr: expected a finite number >= 0, got -1$"),
+        ("lr", math.nan, ValueError, r"^lr: expected a finite number >= 0, got nan$"),
+        ("lr", "a", TypeError, r"^lr: expected a real number, got str 'a'$"),
+        ("lr", np.array(0.1), TypeError, r"^lr: expected a real number, got array of shape \(\) and dtype float64$"),
+        ("weight_decay", -1, ValueError, r"^weight_decay: expected a finite number >= 0, got -1$"),
+        ("weight_decay", math.inf, ValueError, r"^weight_decay: expected a finite number >= 0, got inf$"),
+    ]
+] + [
+    ("SGD-momentum", ValueError, r"^momentum: expected a finite number >= 0, got -1$",
+     lambda: O.SGD(_FIT_MODEL, momentum=-1)),
+    ("SGD-nesterov", ValueError, r"^nesterov: expected momentum > 0 and dampening == 0 with nesterov=True, got "
+     r"momentum=0.0, dampening=0.0$", lambda: O.SGD(_FIT_MODEL, nesterov=True)),
+    ("SGD-nesterov-type", TypeError, r"^nesterov: expected a bool, got int 1$",
+     lambda: O.SGD(_FIT_MODEL, momentum=0.9, nesterov=1)),
+] + [
+    (f"{cls.__name__}-{name}-{bad!r}", exc, match, lambda cls=cls, kw={name: bad}: cls(_FIT_MODEL, **kw))
+    for cls in (O.Adam, O.AdamW)
+    for name, bad, exc, match in [
+        ("betas", (1.0, 0.9), ValueError, r"^betas\[0\]: expected a number in \[0, 1\), got 1.0$"),
+        ("betas", (0.9, -0.1), ValueError, r"^betas\[1\]: expected a number in \[0, 1\), got -0.1$"),
+        ("betas", 0.9, TypeError, r"^betas: expected a pair \(beta1, beta2\), got float 0.9$"),
+        ("betas", (0.9, 0.9, 0.9), TypeError, r"^betas: expected a pair \(beta1, beta2\), got tuple"),
+        ("eps", -1, ValueError, r"^eps: expected a finite number >= 0, got -1$"),
+        ("eps", math.nan, ValueError, r"^eps: expected a finite number >= 0, got nan$"),
+        ("amsgrad", "yes", TypeError, r"^amsgrad: expected a bool, got str 'yes'$"),
+    ]
+] + [
+    ("clip-max_norm", ValueError, r"^max_norm: expected a number >= 0, got -1.0$", lambda: O.clip_grad_norm(_FIT_MODEL, -1)),
+    ("clip-max_norm-nan", ValueError, r"^max_norm: expected a number >= 0, got nan$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, math.nan)),
+    ("clip-max_norm-type", TypeError, r"^max_norm: expected a real number, got NoneType None$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, None)),
+    ("clip-norm_type", ValueError, r"^norm_type: expected a number > 0 or inf, got 0$",
+     lambda: O.clip_grad_norm(_FIT_MODEL, 1.0, norm_type=0)),
+]
+
+
+@pytest.mark.parametrize("case", ROW24, ids=_ids(ROW24))
+def test_row24_bad_options_and_hyperparameters(case):
+    _run_cases(case)
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): layer_norm_eps='a' raises float()'s "
+                                       "'could not convert string to float'; -1 is reported as 'eps'")
+def test_row24_transformer_layer_norm_eps():
+    with pytest.raises(TypeError, match=r"^layer_norm_eps: "):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps="a")
+    with pytest.raises(ValueError, match=r"^layer_norm_eps: "):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoder(None / 'abc', n) "
+                                       "raises dict()'s TypeError / ValueError")
+@pytest.mark.parametrize("config", [None, "abc", 3])
+def test_row24_transformer_encoder_layer_config(config):
+    with pytest.raises(TypeError, match=r"^layer_config: "):
+        L.TransformerEncoder(config, 1)
+
+
+# ---------------------------------------------------------------- row 25: optimizer params in a wrong form
+_W, _G = _T["w"], _T["b"]
+ROW25 = [
+    (lab, TypeError, r"^params: expected a model \(with named_parameters\(\) and named_grads\(\)\) or an iterable of "
+     rf"\(name, param, grad\) triples, got {got}$", lambda p=p: O.SGD(p, lr=0.1))
+    for lab, p, got in [("None", None, "NoneType"), ("dict", {"w": _W}, "dict"), ("array", _W, "ndarray"),
+                        ("str", "w", "str"), ("class", L.Linear, r"the class Linear \(not an instance of it\)")]
+] + [
+    ("list-of-arrays", TypeError, r"^params\[0\]: expected a \(name, param, grad\) triple, got array of shape \(4,\)",
+     lambda: O.SGD([_W])),
+    ("pairs", TypeError, r"^params\[0\]: expected a \(name, param, grad\) triple, got tuple \('w', ",
+     lambda: O.SGD([("w", _W)])),
+    ("list-param", TypeError, r"^params\['w'\]: expected the parameter as a NumPy array \(updated in place\), got list",
+     lambda: O.SGD([("w", [1.0], [0.0])])),
+    ("name-not-str", TypeError, r"^params: expected parameter names \(str\), got int 1$", lambda: O.SGD([(1, _W, _G)])),
+    ("duplicate-names", ValueError, r"^params: two parameters are named 'w'$",
+     lambda: O.SGD([("w", _W, _G), ("w", _W.copy(), _G.copy())])),
+    ("clip-params", TypeError, r"^params_or_model: expected a model .* got dict$", lambda: O.clip_grad_norm({}, 1.0)),
+]
+
+
+@pytest.mark.parametrize("case", ROW25, ids=_ids(ROW25))
+def test_row25_optimizer_params_in_a_wrong_form(case):
+    _run_cases(case)
+
+
+# ---------------------------------------------------------------- row 26: checkpoint files, fit, bucket_batches
+def _row26_cases(tmp_path):
+    (tmp_path / "text").write_text("hello")
+    np.savez(tmp_path / "plain.npz", a=np.ones(3))
+    np.save(tmp_path / "array.npy", np.ones(3))
+    good = tmp_path / "linear.ckpt"
+    fastattn.save(L.Linear(4, 3, seed=0, dtype=np.float64), good)
+    (tmp_path / "truncated").write_bytes(good.read_bytes()[:200])
+    return [
+        ("missing", FileNotFoundError, r"^checkpoint '.*nope': no such file$", lambda: fastattn.load(tmp_path / "nope")),
+        ("directory", IsADirectoryError, r"^checkpoint '.*': expected a checkpoint file, got a directory$",
+         lambda: fastattn.load(tmp_path)),
+        ("text", ValueError, r"^checkpoint '.*text': not a fastattn checkpoint \(not an .npz archive",
+         lambda: fastattn.load(tmp_path / "text")),
+        ("plain-npz", ValueError, r"^checkpoint '.*plain.npz': not a fastattn checkpoint \(no '__fastattn__' entry; "
+         r"entries \['a'\]\)$", lambda: fastattn.load(tmp_path / "plain.npz")),
+        ("npy", ValueError, r"^checkpoint '.*array.npy': not a fastattn checkpoint \(a single .npy array",
+         lambda: fastattn.load(tmp_path / "array.npy")),
+        ("truncated", ValueError, r"^checkpoint '.*truncated': not a fastattn checkpoint",
+         lambda: fastattn.load(tmp_path / "truncated")),
+        ("path-type", TypeError, r"^path: expected a str, bytes or os.PathLike path or a binary file object, got int$",
+         lambda: fastattn.load(3)),
+        ("into-class", ValueError, r"^into: the checkpoint holds a Linear, got a LayerNorm$",
+         lambda: fastattn.load(good, into=L.LayerNorm(4))),
+        ("into-dtype", ValueError, r"^into: the Linear does not have the checkpoint's config: dtype: checkpoint "
+         r"'float64', model 'float32'$", lambda: fastattn.load(good, into=L.Linear(4, 3, dtype=np.float32))),
+        ("into-type", TypeError, r"^into: expected a layer of fastattn.layers or None, got object$",
+         lambda: fastattn.load(good, into=object())),
+        ("save-model", TypeError, r"^model: expected a layer of fastattn.layers \(", lambda: fastattn.save({}, tmp_path / "x")),
+        ("save-missing-dir", FileNotFoundError, r"^path: expected a file in an existing directory",
+         lambda: fastattn.save(_FIT_MODEL, tmp_path / "no" / "x")),
+    ]
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_row26_checkpoint_files(i, tmp_path):
+    cases = _row26_cases(tmp_path)
+    assert len(cases) == 12
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _run_cases(cases[i], dict(w=_FIT_MODEL.parameters()["weight"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before    # nothing written
+
+
+_BATCHES = [(_T["x"][0, :4], np.array([0, 1, 2, 0]))]   # one (4, 4) batch of features, 4 labels
+ROW26 = [
+    ("fit-epochs-0", ValueError, r"^epochs: expected an integer >= 1, got 0$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=0, progress=False)),
+    ("fit-epochs-float", TypeError, r"^epochs: expected an integer, got float 1.5$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=1.5, progress=False)),
+    ("fit-epochs-bool", TypeError, r"^epochs: expected an integer, got bool True$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), _BATCHES, epochs=True, progress=False)),
+    ("fit-batches-None", TypeError, r"^batches: expected a sequence or iterable of batches, or a callable "
+     r"batches\(epoch\), got NoneType None$",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), None, epochs=1, progress=False)),
+    ("fit-batches-iterator", TypeError, r"^batches: a one-shot iterator \(list_iterator\) cannot be replayed for "
+     r"epochs=2", lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), iter(_BATCHES), epochs=2, progress=False)),
+    ("fit-batches-callable", TypeError, r"^batches: expected batches\(0\) to return an iterable of batches, got "
+     r"NoneType None$", lambda: T.fit(_FIT_MODEL, _fit_loss, O.SGD(_FIT_MODEL), lambda e: None, epochs=1,
+                                      progress=False)),
+    ("fit-loss", TypeError, r"^loss_fn \(step 0\): expected a real number, got str 'x'$",
+     lambda: T.fit(_FIT_MODEL, lambda m, b: "x", O.SGD(_FIT_MODEL), _BATCHES, epochs=1, progress=False)),
+    ("fit-optimizer", TypeError, r"^optimizer: expected an object with step\(\), zero_grad\(\)",
+     lambda: T.fit(_FIT_MODEL, _fit_loss, None, _BATCHES, epochs=1, progress=False)),
+    ("bucket-batch_size", ValueError, r"^batch_size: expected an integer >= 1, got 0$",
+     lambda: T.bucket_batches([[1]], batch_size=0)),
+    ("bucket-batch_size-type", TypeError, r"^batch_size: expected an integer, got float 1.5$",
+     lambda: T.bucket_batches([[1]], batch_size=1.5)),
+    ("bucket-bucket_size", ValueError, r"^bucket_size: expected an integer >= batch_size \(2\), got 1$",
+     lambda: T.bucket_batches([[1]], batch_size=2, bucket_size=1)),
+    ("bucket-seqs", TypeError, r"^seqs: expected a sequence of integer id sequences, got str 'abc'$",
+     lambda: T.bucket_batches("abc", batch_size=2)),
+    ("bucket-pad_id", ValueError, r"^pad_id: expected an int64 id \(< 2\*\*63\), got 18446744073709551616$",
+     lambda: T.bucket_batches([[1]], batch_size=2, pad_id=2 ** 64)),
+    ("bucket-uint64-ids", ValueError, r"^seqs\[0\]: expected int64 ids \(< 2\*\*63\)",
+     lambda: T.bucket_batches([np.array([2 ** 63], np.uint64)], batch_size=2)),
+]
+
+
+@pytest.mark.parametrize("case", ROW26, ids=_ids(ROW26))
+def test_row26_fit_and_bucket_batches(case):
+    params = {k: v.copy() for k, v in _FIT_MODEL.parameters().items()}
+    _run_cases(case)
+    for k, v in _FIT_MODEL.parameters().items():     # no step was taken
+        np.testing.assert_array_equal(v, params[k], err_msg=k)

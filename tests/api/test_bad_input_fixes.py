@@ -209,3 +209,56 @@ def test_self_attention_errors_name_x():
         layer(np.zeros(4))
     with pytest.raises(TypeError, match=r"^x: expected real numbers"):
         layer(np.zeros((3, 4), complex))
+
+
+# -------------------------------------------------- the training API
+
+def test_optimizer_given_a_layer_class():
+    """A layer class (not an instance) has named_parameters() unbound: SGD(L.Linear)
+    raised "Layer.named_parameters() missing 1 required positional argument"."""
+    from fastattn import optim
+    with pytest.raises(TypeError, match=r"^params: expected a model .* got the class Linear "
+                                        r"\(not an instance of it\)$"):
+        optim.SGD(L.Linear, lr=0.1)
+    with pytest.raises(TypeError, match=r"^params_or_model: expected a model .* got the class Linear"):
+        optim.clip_grad_norm(L.Linear, 1.0)
+
+
+def test_checkpoint_paths_that_are_directories_or_in_missing_directories(tmp_path):
+    """load(a directory) raised a bare "[Errno 21] Is a directory"; save into a
+    missing directory named the hidden temporary file ('.x.npz.1a2b3c4d.tmp')."""
+    model = L.Linear(2, 2, seed=0)
+    with pytest.raises(IsADirectoryError, match=r"^checkpoint '.*': expected a checkpoint file, got a directory$"):
+        fastattn.load(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"^path: expected a file name, got the directory '.*'$"):
+        fastattn.save(model, tmp_path)
+    missing = tmp_path / "no" / "x.npz"
+    with pytest.raises(FileNotFoundError, match=r"^path: expected a file in an existing directory, got "
+                                                r"'.*x\.npz' \(no directory '.*no'\)$"):
+        fastattn.save(model, missing)
+    assert list(tmp_path.iterdir()) == []     # no temporary file left behind
+
+
+def test_bucket_batches_uint64_ids_beyond_int64():
+    """uint64 ids >= 2**63 were wrapped to negative int64 ids by astype."""
+    from fastattn.train import bucket_batches
+    seqs = [np.array([1, 2 ** 63 + 1], dtype=np.uint64)]
+    with pytest.raises(ValueError, match=r"^seqs\[0\]: expected int64 ids \(< 2\*\*63\), got 9223372036854775809$"):
+        bucket_batches(seqs, batch_size=2)
+    ids, mask, _ = bucket_batches([np.array([1, 2], dtype=np.uint64)], batch_size=2)[0]
+    np.testing.assert_array_equal(ids, [[1, 2]])
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4), (0, 4)], ids=["B0", "L0", "unbatched-L0"])
+def test_multi_head_attention_backward_with_zero_batch_or_length(shape):
+    """The input gradients were reshaped to (B, L, -1): NumPy cannot infer -1 from
+    0 elements ("cannot reshape array of size 0"), so MultiHeadAttention's and
+    TransformerEncoderLayer's backprop failed for B = 0 or L = 0."""
+    layer = L.MultiHeadAttention(4, 2, seed=0, dtype=np.float64)
+    x = np.zeros(shape)
+    out, backprop = layer.forward_backward(x, x, x)
+    grads = backprop(np.zeros(out.shape))
+    assert [g.shape for g in grads] == [shape] * 3
+    enc = L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64)
+    out, backprop = enc.forward_backward(x)
+    assert backprop(np.zeros(out.shape))[0].shape == shape

@@ -422,3 +422,14 @@ def test_torch_also_rejects_targets_out_of_range():
         F.cross_entropy(_t(Z), _t(np.array([0, 4, 1])))
     with pytest.raises(RuntimeError, match="label_smoothing"):
         F.cross_entropy(_t(Z), _t(T), label_smoothing=1.5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_zero_d_inputs_give_array_gradients(dtype, reduction):
+    """0-d logits / pred: the gradient is a 0-d ndarray of the input's dtype
+    (binary_cross_entropy_with_logits returned a NumPy scalar)."""
+    for fn, x, t in ((binary_cross_entropy_with_logits, np.array(0.3, dtype), np.array(1.0, dtype)),
+                     (mse, np.array(0.3, dtype), np.array(1.0, dtype))):
+        _, grad = fn(x, t, reduction=reduction)
+        assert type(grad) is np.ndarray and grad.shape == () and grad.dtype == dtype, (fn, type(grad))
