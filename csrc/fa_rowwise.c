@@ -167,7 +167,7 @@ void fa_relu_bwd_##SFX(int64_t n, const T *g, const T *x, T *out)               
 {                                                                                    \
     for (int64_t i = 0; i < n; i++) {  /* both loaded: a select, not a branch */       \
         T gi = g[i], xi = x[i];                                                      \
-        out[i] = xi > 0 ? gi : (T)0;                                                 \
+        out[i] = xi <= 0 ? (T)0 : gi;  /* NaN x passes g, as torch */                \
     }                                                                                \
 }
 

@@ -55,7 +55,8 @@ void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, c
 void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out);
 void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale, double *out);
 
-/* out[i] = x[i] > 0 ? g[i] : 0, i < n (relu's backward; NaN x gives 0). */
+/* out[i] = x[i] <= 0 ? 0 : g[i], i < n (relu's backward; a NaN x passes g,
+ * as torch's threshold_backward). */
 void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out);
 void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
 

@@ -180,7 +180,8 @@ def relu(x):
 
 
 def relu_backward(grad_out, x, *, n_threads=None):
-    """``grad_out`` where ``x > 0``, else 0 (torch's choice at 0)."""
+    """``grad_out`` except where ``x <= 0`` (0 there: torch's choice at 0; a NaN
+    ``x`` passes the gradient, as torch's)."""
     x = _float_array(x, "x")
     g = check_grad_array(grad_out, "grad_out", x.shape)
     if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and x.dtype == g.dtype and g.size:
@@ -189,7 +190,7 @@ def relu_backward(grad_out, x, *, n_threads=None):
         _rowwise.relu_backward(np.ascontiguousarray(g).reshape(-1),
                                np.ascontiguousarray(x).reshape(-1), out.reshape(-1), nt)
         return out
-    return np.where(x > 0, g, g.dtype.type(0))
+    return np.where(x <= 0, g.dtype.type(0), g)
 
 
 def _check_p(p):

@@ -848,8 +848,9 @@ def relu(x):
 
 
 def relu_backward(grad_out, x):
-    """g where x > 0, else 0 (the gradient at 0 is 0)."""
-    return np.where(_as64(x) > 0, _as64(grad_out), 0.0)
+    """0 where x <= 0 (the gradient at 0 is 0), else g -- a NaN x passes g
+    (torch's threshold_backward)."""
+    return np.where(_as64(x) <= 0, 0.0, _as64(grad_out))
 
 
 def dropout_backward(grad_out, keep, p):

@@ -1330,12 +1330,12 @@ def test_row23_nonfinite_stays_in_its_row(bad):
 
 
 def test_row23_nonfinite_elementwise_values():
-    """gelu(-inf) and its gradient at +-inf are nan (torch's too); relu's gradient is 0 at NaN."""
+    """gelu(-inf) and its gradient at +-inf are nan (torch's too); relu passes the gradient at NaN (torch's threshold_backward)."""
     x = np.array([np.nan, np.inf, -np.inf, 0.0])
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal(F.gelu(x), [np.nan, np.inf, np.nan, 0.0])
         np.testing.assert_array_equal(F.relu(x), [np.nan, np.inf, 0.0, 0.0])
-        np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [0.0, 1.0, 0.0, 0.0])
+        np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [1.0, 1.0, 0.0, 0.0])
 
 
 def test_row23_nonfinite_gradients_in_clip_grad_norm():

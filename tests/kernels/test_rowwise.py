@@ -159,13 +159,24 @@ def test_dropout_keeps_nan_where_dropped_as_x_times_mask():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_relu_backward_kernel(dtype, rng):
+    """0 where x <= 0, else grad_out (a NaN x passes it, as torch's threshold_backward)."""
     x = randn(rng, (33, 1001)).astype(dtype)
     x[0, :3] = [0.0, -0.0, np.nan]
     g = randn(rng, x.shape).astype(dtype)
     g[1, 5] = np.nan
     x0, g0 = x.copy(), g.copy()
     got = F.relu_backward(g, x)
-    np.testing.assert_array_equal(got, np.where(x > 0, g, 0))
-    np.testing.assert_array_equal(F.relu_backward(g[:, ::2], x[:, ::2]), np.where(x > 0, g, 0)[:, ::2])
+    np.testing.assert_array_equal(got, np.where(x <= 0, 0, g))
+    np.testing.assert_array_equal(F.relu_backward(g[:, ::2], x[:, ::2]), np.where(x <= 0, 0, g)[:, ::2])
     np.testing.assert_array_equal(x, x0)
     np.testing.assert_array_equal(g, g0)
+
+
+def test_relu_backward_nan_x_passes_the_gradient_as_torch():
+    torch = pytest.importorskip("torch")
+    x = np.array([np.nan, -1.0, 0.0, 2.0, -np.inf, np.inf])
+    g = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    tx = torch.tensor(x, requires_grad=True)
+    torch.relu(tx).backward(torch.tensor(g))
+    for dt in (np.float32, np.float64):
+        np.testing.assert_array_equal(F.relu_backward(g.astype(dt), x.astype(dt)), tx.grad.numpy())

@@ -178,8 +178,8 @@ def test_relu_at_zero_and_nan():
     g = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
     np.testing.assert_array_equal(F.relu(x), R.relu(x))
     assert np.isnan(F.relu(x)[4])
-    np.testing.assert_array_equal(F.relu_backward(g, x), [0.0, 0.0, 0.0, 4.0, 0.0])
-    np.testing.assert_array_equal(R.relu_backward(g, x), [0.0, 0.0, 0.0, 4.0, 0.0])
+    np.testing.assert_array_equal(F.relu_backward(g, x), [0.0, 0.0, 0.0, 4.0, 5.0])  # as torch
+    np.testing.assert_array_equal(R.relu_backward(g, x), [0.0, 0.0, 0.0, 4.0, 5.0])
 
 
 # ----------------------------------------------------------------- dropout_backward
