@@ -31,7 +31,7 @@ from .. import functional as F
 from ..losses import cross_entropy
 from ._base import (Layer, _config_seed, _rng, _similarity_config, as_float_input, check_dtype,
                     check_int, init_similarity_params, resolve_similarity)
-from .rnn import Embedding, Linear, RNNEncoder, rnn_class
+from .rnn import _GATES, Embedding, Linear, RNNEncoder, rnn_class
 
 __all__ = ["AttentionDecoder", "Seq2Seq", "Memory", "DecodeResult"]
 
@@ -384,17 +384,51 @@ class AttentionDecoder(Layer):
                 return result(list(dstate) if lstm else [dstate], dmem)
             return (logits, final), backprop
 
-        # Bahdanau: the score of step t reads s_{t-1}
-        tape, tops = [], []
-        cur = state0
+        # Bahdanau: the score of step t reads s_{t-1}, so the cells run one step
+        # at a time (F.rnn_scan over T = 1, keeping its gates).  The first
+        # layer's input projection is split: the embeddings' part for all steps
+        # in one product, the context's per step; in the backward each step
+        # takes back only what the recurrence needs (the context's and the
+        # lower layers' gradients), and the input projections' weight gradients
+        # are one product over all steps afterwards.
+        rnn = self.rnn
+        cell, Lr = rnn._scan_cell(), rnn.num_layers
+        GH = _GATES[rnn._mode] * H
+        prm = rnn._params
+        W = []
+        for k in range(Lr):  # the live parameters (an optimizer updates them in place)
+            W.append((np.ascontiguousarray(prm[f"weight_ih_l{k}"], dtype=ct),
+                      np.ascontiguousarray(prm[f"weight_hh_l{k}"], dtype=ct),
+                      prm[f"bias_ih_l{k}"].astype(ct, copy=False) if rnn.bias else np.zeros(GH, ct),
+                      prm[f"bias_hh_l{k}"].astype(ct, copy=False) if rnn.bias else np.zeros(GH, ct)))
+        w_c = W[0][0][:, E:]                    # the context's columns of W_ih (l0)
+        xe = F.linear(emb.reshape(B * T, E), W[0][0][:, :E], W[0][2]).reshape(B, T, GH)
+        hs = [np.array(st[0][k], dtype=ct) for k in range(Lr)]
+        cs = [np.array(st[1][k], dtype=ct) for k in range(Lr)] if lstm else [None] * Lr
+        ctxs = np.empty((B, T, D), ct)
+        ins = [None] + [np.empty((B, T, H), ct) for _ in range(1, Lr)]   # layers >= 1's inputs
+        tape, tops = [], np.empty((B, T, H), ct)
         for t in range(T):
-            q = self._top(cur)[:, None, :]
+            q = hs[-1][:, None, :]
             ctx, lse = attend(q)
-            x = np.concatenate([emb[:, t], ctx[:, 0]], axis=-1)
-            (o, cur), back_rnn = self.rnn.forward_backward(x[:, None], cur)
-            tape.append((q, ctx, lse, back_rnn))
-            tops.append(o[:, 0])
-        logits, back_out = self.out.forward_backward(np.stack(tops, axis=1))
+            ctxs[:, t] = ctx[:, 0]
+            xw = xe[:, t] + F.linear(ctx[:, 0], w_c)
+            steps = []
+            for k in range(Lr):
+                wih, whh, bih, bhh = W[k]
+                if k:
+                    ins[k][:, t] = inp
+                    xw = F.linear(inp, wih, bih)
+                xw3 = xw[:, None, :]
+                o, h1, c1, gates = F.rnn_scan(xw3, whh, bhh, hs[k], cell=cell, c0=cs[k],
+                                              return_gates=True)
+                steps.append((xw3, o, gates, hs[k], cs[k]))
+                hs[k], cs[k] = h1, c1
+                inp = o[:, 0]
+            tape.append((q, ctx, lse, steps))
+            tops[:, t] = inp
+        logits, back_out = self.out.forward_backward(tops)
+        cur = (np.stack(hs), np.stack(cs)) if lstm else np.stack(hs)
 
         def backprop(grad_logits, grad_state=None):
             g = check_grad_logits(grad_logits)
@@ -402,19 +436,49 @@ class AttentionDecoder(Layer):
             (dtop,) = back_out(g)
             dmem = np.zeros((B, S, D), ct)
             dkeys = None
-            de = np.zeros((B, T, E), ct)
+            dh = [np.array(dst[0][k]) for k in range(Lr)]
+            dc = [np.array(dst[1][k]) for k in range(Lr)] if lstm else [None] * Lr
+            dXW = [np.empty((B, T, GH), ct) for _ in range(Lr)]
+            dwhh = [np.zeros((GH, H), ct) for _ in range(Lr)]
+            dbhh = [np.zeros(GH, ct) for _ in range(Lr)]
             for t in reversed(range(T)):
-                q, ctx, lse, back_rnn = tape[t]
-                dx, dprev = back_rnn(dtop[:, t:t + 1], pack(dst))
-                de[:, t] = dx[:, 0, :E]
-                dq, dm, dkp = attend_backward(dx[:, :, E:], q, ctx, lse)
+                q, ctx, lse, steps = tape[t]
+                d_o = dtop[:, t]
+                for k in reversed(range(Lr)):
+                    xw3, o, gates, h_prev, c_prev = steps[k]
+                    wih, whh, bih, bhh = W[k]
+                    dxw, dw, db, dh[k], dck = F.rnn_scan_backward(
+                        d_o[:, None, :], dh[k], xw3, whh, bhh, h_prev, o, cell=cell, c0=c_prev,
+                        grad_c_n=dc[k], gates=gates)
+                    if lstm:
+                        dc[k] = dck
+                    dwhh[k] += dw
+                    dbhh[k] += db
+                    dXW[k][:, t] = dxw[:, 0]
+                    if k:
+                        d_o = dxw[:, 0] @ wih
+                dctx = dXW[0][:, t] @ w_c
+                dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
                 dmem += dm
                 if dkp is not None:
                     dkeys = dkp if dkeys is None else dkeys + dkp
-                dst = [np.array(a, dtype=ct) for a in (dprev if lstm else (dprev,))]
-                dst[0][-1] += dq[:, 0]
-            back_emb(de)
-            return result(dst, keys_backward(dmem, dkeys))
+                dh[-1] = dh[-1] + dq[:, 0]
+            # the input projections of every step at once
+            gr = rnn.grads
+            x0 = np.concatenate([emb, ctxs], axis=-1).reshape(B * T, E + D)
+            dx0, dwih, dbih = F.linear_backward(dXW[0].reshape(B * T, GH), x0, W[0][0], W[0][2])
+            for k in range(Lr):
+                if k:
+                    _, dwih, dbih = F.linear_backward(dXW[k].reshape(B * T, GH),
+                                                      ins[k].reshape(B * T, H), W[k][0], W[k][2])
+                gr[f"weight_ih_l{k}"] += dwih
+                gr[f"weight_hh_l{k}"] += dwhh[k]
+                if rnn.bias:
+                    gr[f"bias_ih_l{k}"] += dbih
+                    gr[f"bias_hh_l{k}"] += dbhh[k]
+            back_emb(dx0[:, :E].reshape(B, T, E))
+            out_state = [np.stack(dh)] + ([np.stack(dc)] if lstm else [])
+            return result(out_state, keys_backward(dmem, dkeys))
         return (logits, cur), backprop
 
 
