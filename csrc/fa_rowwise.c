@@ -173,3 +173,38 @@ void fa_relu_bwd_##SFX(int64_t n, const T *g, const T *x, T *out)               
 
 DROPOUT_DEFINE(f32, float)
 DROPOUT_DEFINE(f64, double)
+
+/* ------------------------------------------------------------ Adam */
+
+#define ADAM_DEFINE(SFX, T, SQRT)                                                    \
+void fa_adam_##SFX(int64_t n, T *p, const T *g, T *m, T *v, T *vmax,                 \
+                   const fa_adam_hyper *h)                                           \
+{                                                                                    \
+    const T one_m_b1 = (T)(1 - h->b1), b2 = (T)h->b2, one_m_b2 = (T)(1 - h->b2);      \
+    const T decay = (T)(1 - h->lr * h->wd), wd = (T)h->wd, eps = (T)h->eps;           \
+    const T step_size = (T)h->step_size, bc2 = (T)h->bc2_sqrt;                        \
+    const int l2 = !h->decoupled && h->wd != 0, dec = h->decoupled && h->wd != 0;     \
+    for (int64_t i = 0; i < n; i++) {                                                \
+        T d = h->maximize ? -g[i] : g[i];                                            \
+        T pi = p[i];                                                                 \
+        if (dec)                                                                     \
+            pi = pi * decay;                                                         \
+        else if (l2)                                                                 \
+            d = d + wd * pi;                                                         \
+        T mi = m[i] + one_m_b1 * (d - m[i]);                                         \
+        T vi = v[i] * b2;                                                            \
+        vi = vi + (one_m_b2 * d) * d;                                                \
+        m[i] = mi;                                                                   \
+        v[i] = vi;                                                                   \
+        if (vmax) {                                                                  \
+            T x = vmax[i];                                                           \
+            vi = (x >= vi || x != x) ? x : vi;                                       \
+            vmax[i] = vi;                                                            \
+        }                                                                            \
+        T denom = SQRT(vi) / bc2 + eps;                                              \
+        p[i] = pi - step_size * (mi / denom);                                        \
+    }                                                                                \
+}
+
+ADAM_DEFINE(f32, float, sqrtf)
+ADAM_DEFINE(f64, double, sqrt)

@@ -60,4 +60,25 @@ void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double s
 void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out);
 void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
 
+/* One Adam / AdamW step (torch.optim's math, the operations of
+ * fastattn/optim.py's NumPy form in the same order, each rounded to T) on
+ * elements [0, n) of a parameter p, its gradient g and its moments m, v (and
+ * vmax with amsgrad, else NULL), all updated in place:
+ *     d = maximize ? -g : g
+ *     decoupled: p = p (1 - lr wd)      otherwise, wd != 0: d = d + wd p
+ *     m = m + (1 - b1)(d - m);  v = v b2;  v = v + ((1 - b2) d) d
+ *     amsgrad: vmax = max(vmax, v) (NaN propagating), read instead of v
+ *     p = p - step_size (m / (sqrt(v) / bc2_sqrt + eps))
+ * The scalars are given in double and rounded to T once, as NumPy rounds a
+ * Python float for a T array. */
+typedef struct {
+    double lr, b1, b2, eps, wd, step_size, bc2_sqrt;
+    int decoupled, maximize;
+} fa_adam_hyper;
+
+void fa_adam_f32(int64_t n, float *p, const float *g, float *m, float *v, float *vmax,
+                 const fa_adam_hyper *h);
+void fa_adam_f64(int64_t n, double *p, const double *g, double *m, double *v, double *vmax,
+                 const fa_adam_hyper *h);
+
 #endif

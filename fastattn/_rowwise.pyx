@@ -43,6 +43,13 @@ cdef extern from "fa_rowwise.h" nogil:
                            double *out)
     void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out)
     void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
+    ctypedef struct fa_adam_hyper:
+        double lr, b1, b2, eps, wd, step_size, bc2_sqrt
+        int decoupled, maximize
+    void fa_adam_f32(int64_t n, float *p, const float *g, float *m, float *v, float *vmax,
+                     const fa_adam_hyper *h)
+    void fa_adam_f64(int64_t n, double *p, const double *g, double *m, double *v, double *vmax,
+                     const fa_adam_hyper *h)
 
 cdef runtime g_rt
 
@@ -262,3 +269,50 @@ def relu_backward(cnp.ndarray g, cnp.ndarray x, cnp.ndarray out, int n_threads):
     c.keep = NULL
     with nogil:
         _ew_run(&c, n_threads)
+
+
+ctypedef struct adam_ctx:
+    int f64
+    int64_t n, chunk
+    char *p
+    char *g
+    char *m
+    char *v
+    char *vmax
+    fa_adam_hyper h
+
+
+cdef void _adam_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef adam_ctx *c = <adam_ctx *>vctx
+    cdef int64_t i0 = t * c.chunk
+    cdef int64_t n = c.n - i0
+    if n > c.chunk:
+        n = c.chunk
+    if c.f64:
+        fa_adam_f64(n, <double *>c.p + i0, <double *>c.g + i0, <double *>c.m + i0,
+                    <double *>c.v + i0, <double *>c.vmax + i0 if c.vmax != NULL else NULL, &c.h)
+    else:
+        fa_adam_f32(n, <float *>c.p + i0, <float *>c.g + i0, <float *>c.m + i0,
+                    <float *>c.v + i0, <float *>c.vmax + i0 if c.vmax != NULL else NULL, &c.h)
+
+
+def adam(cnp.ndarray p, cnp.ndarray g, cnp.ndarray m, cnp.ndarray v, object vmax, double lr,
+         double b1, double b2, double eps, double wd, double step_size, double bc2_sqrt,
+         bint decoupled, bint maximize, int n_threads):
+    """One Adam step in place on 1-D contiguous p, g, m, v (vmax or None), one dtype."""
+    cdef adam_ctx c
+    cdef int64_t ntasks, t
+    c.f64 = cnp.PyArray_TYPE(p) == cnp.NPY_FLOAT64
+    c.n = cnp.PyArray_DIMS(p)[0]
+    c.chunk = 4 * CHUNK_ELEMS
+    c.p, c.g, c.m, c.v, c.vmax = _ptr(p), _ptr(g), _ptr(m), _ptr(v), _ptr(vmax)
+    c.h.lr, c.h.b1, c.h.b2, c.h.eps, c.h.wd = lr, b1, b2, eps, wd
+    c.h.step_size, c.h.bc2_sqrt = step_size, bc2_sqrt
+    c.h.decoupled, c.h.maximize = decoupled, maximize
+    ntasks = (c.n + c.chunk - 1) // c.chunk
+    with nogil:
+        if n_threads > 1 and c.n >= PARALLEL_MIN and ntasks > 1:
+            runtime_run(&g_rt, ntasks, n_threads, _adam_task, &c, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _adam_task(&c, t, 0)

@@ -43,6 +43,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ._optim_ops import adam_update
+
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm", "LRSchedule", "LambdaLR",
            "CosineAnnealingLR", "WarmupLinear", "WarmupCosine"]
 
@@ -436,28 +438,12 @@ class Adam(Optimizer):
 
     def _update(self, p, g, st):
         h = self._hyper
-        lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
-        d = np.negative(g) if h["maximize"] else g
         st["step"] += 1
-        t = st["step"]
-        if wd != 0:
-            if self._decoupled:
-                p *= 1 - lr * wd
-            else:
-                d = d + wd * p
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        m += (1 - b1) * (d - m)
-        v *= b2
-        v += (1 - b2) * d * d
-        if h["amsgrad"]:
-            vmax = st["max_exp_avg_sq"]
-            np.maximum(vmax, v, out=vmax)
-            v = vmax
-        step_size = lr / (1 - b1 ** t)
-        bc2_sqrt = (1 - b2 ** t) ** 0.5
-        denom = np.sqrt(v) / bc2_sqrt
-        denom += eps
-        p -= step_size * (m / denom)
+        adam_update(p, g, st["exp_avg"], st["exp_avg_sq"],
+                    st["max_exp_avg_sq"] if h["amsgrad"] else None,
+                    step=st["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                    weight_decay=h["weight_decay"], decoupled=self._decoupled,
+                    maximize=h["maximize"])
 
 
 class AdamW(Adam):

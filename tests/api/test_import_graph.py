@@ -26,13 +26,14 @@ LAYERS = [
     ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._rowwise",
                   "fastattn._scores"}),
     # plain NumPy: argument checks, the float64 oracle, plotting
-    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz", "fastattn.optim"}),
+    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz"}),
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
     ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge",
-             "fastattn._norm", "fastattn.losses"}),
-    ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity"}),
+             "fastattn._norm", "fastattn.losses", "fastattn._optim_ops"}),
+    ("ops2", {"fastattn._multihead", "fastattn._recurrence", "fastattn.similarity",
+              "fastattn.optim"}),
     ("registry", {"fastattn.registry"}),
     ("ops3", {"fastattn._attention"}),
     # the public facade of the math
