@@ -66,7 +66,8 @@ from ._validation import (
     grad_dtype,
     result_dtypes,
 )
-from ._sdpa import _sdpa_canonical, scaled_dot_product_attention, sdpa_backward
+from ._sdpa import (_sdpa_canonical, scaled_dot_product_attention, sdpa_backward,
+                    sdpa_backward_into)
 
 __all__ = ["multi_head_attention", "multi_head_attention_backward",
            "multi_head_attention_forward_backward"]
@@ -723,21 +724,35 @@ def _backward(p, saved, g, query, key, value, given, combine):
     d_ctx = d_attn.reshape(B, Lq, H, dh).transpose(0, 2, 1, 3)
     if Hkv != H:
         d_ctx = d_ctx.reshape(B, Hkv, H // Hkv, Lq, dh)
-    dq_h, dk_h, dv_h = sdpa_backward(d_ctx, q, k, v, out_view, lse, mask, p.is_causal, sc,
-                                     causal_alignment=p.causal_alignment, n_threads=p.n_threads)
     kvE = Hkv * dh
     w_qkv, b_qkv = given["w_qkv"], given["b_qkv"]
+    fused = combine and p.self_attention and w_qkv is not None
+    # the projections' gradients (B L, n dh): one buffer for the three when fused
+    if fused:
+        dQKV = np.empty((B * Lq, E + 2 * kvE), cdt)
+        dQ, dK, dV = dQKV[:, :E], dQKV[:, E:E + kvE], dQKV[:, E + kvE:]
+    else:
+        dQ, dK, dV = (np.empty((B * L, n * dh), cdt) for L, n in ((Lq, H), (Lk, Hkv), (Lk, Hkv)))
 
-    def put(dst, dh_, L, n):  # head gradients (B, n, L, dh) into (B L, n dh) rows
-        dst.reshape(B, L, n, dh)[...] = dh_.reshape(B, n, L, dh).transpose(0, 2, 1, 3)
+    def heads(a, L, n):  # (B L, n dh) rows as (B, n, L, dh) head views (never a copy)
+        h = a.view()
+        h.shape = (B, L, n, dh)   # raises rather than copy
+        return h.transpose(0, 2, 1, 3)
 
-    if combine and p.self_attention and w_qkv is not None:
+    sdpa_kw = dict(causal_alignment=p.causal_alignment, n_threads=p.n_threads)
+    if Hkv == H and B * Lq * Lk * dh:
+        # the kernel writes the head gradients straight into those rows
+        sdpa_backward_into((heads(dQ, Lq, H), heads(dK, Lk, H), heads(dV, Lk, H)), d_ctx, q, k,
+                           v, out_view, lse, mask, p.is_causal, sc, **sdpa_kw)
+    else:
+        dq_h, dk_h, dv_h = sdpa_backward(d_ctx, q, k, v, out_view, lse, mask, p.is_causal, sc,
+                                         **sdpa_kw)
+        for dst, dh_, L, n in ((dQ, dq_h, Lq, H), (dK, dk_h, Lk, Hkv), (dV, dv_h, Lk, Hkv)):
+            dst.reshape(B, L, n, dh)[...] = dh_.reshape(B, n, L, dh).transpose(0, 2, 1, 3)
+
+    if fused:
         # one array in all three roles: one product for the three projections,
         # whose dx is the sum of the three roles' (summed inside the GEMM)
-        dQKV = np.empty((B * Lq, E + 2 * kvE), cdt)
-        put(dQKV[:, :E], dq_h, Lq, H)
-        put(dQKV[:, E:E + kvE], dk_h, Lk, Hkv)
-        put(dQKV[:, E + kvE:], dv_h, Lk, Hkv)
         xq = p.q.reshape(-1, p.q.shape[-1])
         dx, dw, db = linear_backward(dQKV, xq, p.w_qkv, p.b_qkv, n_threads=nt)
         grads["w_qkv"] = dw
@@ -746,10 +761,6 @@ def _backward(p, saved, g, query, key, value, given, combine):
         dxq = dx
         dxk = dxv = None
     else:
-        dQ, dK, dV = (np.empty((B * L, n * dh), cdt) for L, n in ((Lq, H), (Lk, Hkv), (Lk, Hkv)))
-        put(dQ, dq_h, Lq, H)
-        put(dK, dk_h, Lk, Hkv)
-        put(dV, dv_h, Lk, Hkv)
         # input projections: qb = x_q W_q^T + b_q, ...
         xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
         dxq, dwq, dbq = linear_backward(dQ, xq, p.w_q, p.b_q, n_threads=nt)

@@ -598,6 +598,25 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
     exact zero gradients.  The result depends on the inputs only, not on the
     thread count.
     """
+    return _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale,
+                          causal_alignment, mask_grad, n_threads, None)
+
+
+def sdpa_backward_into(grads, grad_out, query, key, value, out, lse, attn_mask=None,
+                       is_causal=False, scale=None, *, causal_alignment="top_left",
+                       n_threads=None):
+    """:func:`sdpa_backward` writing ``(dq, dk, dv)`` into ``grads``, three
+    arrays of the compute dtype in the full batch shape (no broadcast batch
+    dim: nothing is summed back), last axes contiguous, BLAS-valid row
+    strides, none overlapping another or an input -- for fastattn's own
+    callers (the multi-head backward writes the head gradients straight into
+    the rows of its projection gradients).  Returns ``grads``."""
+    return _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale,
+                          causal_alignment, False, n_threads, grads)
+
+
+def _sdpa_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale,
+                   causal_alignment, mask_grad, n_threads, into):
     p = _prepare(query, key, value, attn_mask, is_causal, scale, False, causal_alignment, None,
                  n_threads)
     if not isinstance(mask_grad, (bool, np.bool_)):
@@ -617,9 +636,17 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
     nrows = math.prod(p.batch) * p.Lq
     run = bool(nrows and p.Lk and p.dv)  # otherwise every gradient is a sum of nothing: zeros
     new = np.empty if run else np.zeros  # the kernel writes every element
-    dq = new(p.batch + (p.Lq, p.d), cdt)
-    dk = new(p.batch + (p.Lk, p.d), cdt)
-    dv = new(p.batch + (p.Lk, p.dv), cdt)
+    if into is not None:
+        dq, dk, dv = into
+        want = (p.batch + (p.Lq, p.d), p.batch + (p.Lk, p.d), p.batch + (p.Lk, p.dv))
+        if tuple(a.shape for a in into) != want or any(a.dtype != cdt for a in into) \
+                or np.shape(p.k)[:-2] != p.batch or np.shape(p.v)[:-2] != p.batch \
+                or np.shape(p.q)[:-2] != p.batch or not run or p.d == 0:
+            raise ValueError("sdpa_backward_into: grads do not match (a caller's bug)")
+    else:
+        dq = new(p.batch + (p.Lq, p.d), cdt)
+        dk = new(p.batch + (p.Lk, p.d), cdt)
+        dv = new(p.batch + (p.Lk, p.dv), cdt)
     dmask = np.zeros(p.batch + (p.Lq, p.Lk), cdt) if mask_grad else None
     if run:
         q, k, dq_k, dk_k = p.q, p.k, dq, dk
@@ -637,6 +664,8 @@ def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_caus
             p.batch, p.causal, p.causal_offset, p.scale, bq, bk, nt, ng, part, own)
         if rc:
             _raise_status(rc)
+    if into is not None:
+        return into
     grads = [sum_to_shape(dq, np.shape(p.q)).astype(grad_dtype(query, cdt), copy=False),
              sum_to_shape(dk, np.shape(p.k)).astype(grad_dtype(key, cdt), copy=False),
              sum_to_shape(dv, np.shape(p.v)).astype(grad_dtype(value, cdt), copy=False)]
