@@ -11,7 +11,8 @@ sgemm/dgemm)::
 bench``) prints the same table from its own timing loop.  The default
 ``pytest`` collects only ``tests/`` (``testpaths`` in pyproject).  The other
 scripts here are run directly: ``python benchmarks/memory.py`` (peak extra
-RSS of one call), ``python benchmarks/busy.py`` (a competing process on
+RSS of one call), ``python benchmarks/memory_training.py`` (peak memory of
+one training step, fastattn and torch), ``python benchmarks/busy.py`` (a competing process on
 one core) and ``python benchmarks/idle.py`` (CPU burned after a call).
 """
 import pytest

@@ -164,3 +164,20 @@ def test_memory_probe_in_child():
     r = _bench.memory_benchmark("fastattn", (1, 2, 64, 16), "float32")
     assert r["hwm_kb"] >= r["rss_before_kb"] > 0
     assert r["out_bytes"] == 2 * 64 * 16 * 4
+
+
+def test_training_memory_script_measures_a_step():
+    """benchmarks/memory_training.py: one fresh process per library; its
+    numbers are positive and the fastattn row is there."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "benchmarks", "memory_training.py")
+    out = subprocess.run([sys.executable, script, "--case", "seq2seq"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] == ["seq2seq"]]
+    assert rows and rows[0][1] == "fastattn"
+    for r in rows:
+        before, extra, total = map(float, r[2:5])
+        assert before > 0 and total >= before and extra >= 0
