@@ -70,12 +70,15 @@ def _compute_dtype(*arrays):
     return np.dtype(np.float32)
 
 
-def _check_eps(eps):
+def _check_eps(eps, name="eps"):
+    """``eps`` as a float: a real number (not a bool), finite and >= 0
+    (also ``layers.LayerNorm``'s and ``TransformerEncoderLayer``'s, whose
+    ``layer_norm_eps`` it names)."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"eps: expected a real number, got {describe(eps)}")
+        raise TypeError(f"{name}: expected a real number, got {describe(eps)}")
     eps = float(eps)
     if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
     return eps
 
 

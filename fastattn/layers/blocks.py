@@ -38,6 +38,15 @@ def _check_p(p, name="p"):
     return p
 
 
+def _check_activation(activation):
+    if not isinstance(activation, str):
+        raise TypeError(f"activation: expected 'relu' or 'gelu', got {type(activation).__name__} "
+                        f"{activation!r}")
+    if activation not in ("relu", "gelu"):
+        raise ValueError(f"activation: expected 'relu' or 'gelu', got {activation!r}")
+    return str(activation)
+
+
 # ============================================================== LayerNorm
 class LayerNorm(Layer):
     """``torch.nn.LayerNorm(normalized_shape)`` over the last axis: ``weight``
@@ -144,13 +153,12 @@ class FeedForward(Layer):
                  seed=None, dtype=np.float32):
         embed_dim = check_int(embed_dim, "embed_dim")
         hidden_dim = check_int(hidden_dim, "hidden_dim")
-        if activation not in ("relu", "gelu"):
-            raise ValueError(f"activation: expected 'relu' or 'gelu', got {activation!r}")
+        activation = _check_activation(activation)
         dropout = _check_p(dropout, "dropout")
-        rng = _rng(seed)
         self._config = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, activation=activation,
                             dropout=dropout, bias=check_bool(bias, "bias"),
                             seed=_config_seed(seed), dtype=check_dtype(dtype).name)
+        rng = _rng(seed)
         self.linear1 = Linear(embed_dim, hidden_dim, bias=bias, seed=rng, dtype=dtype)
         self.linear2 = Linear(hidden_dim, embed_dim, bias=bias, seed=rng, dtype=dtype)
         self.dropout = Dropout(dropout, seed=rng)

@@ -972,16 +972,19 @@ def test_row18_elementwise_ops_take_any_rank(shape):
         assert np.shape(fn(x)) == shape
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoderLayer / "
-                                       "TransformerEncoder name x 'query' (MultiHeadAttention's)")
 @pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerEncoder"])
 def test_row18_transformer_errors_name_x(name):
-    with pytest.raises(ValueError, match=r"^x: "):
-        _BLOCKS[name](np.ones(4))
-    with pytest.raises(ValueError, match=r"^x: "):
-        _BLOCKS[name](np.ones((2, 5, 3)))
-    with pytest.raises(TypeError, match=r"^x: "):
-        _BLOCKS[name](np.ones((2, 5, 4), complex))
+    """The transformer blocks name their input x (not MultiHeadAttention's query)."""
+    x1, x3, xc = np.ones(4), np.ones((2, 5, 3)), np.ones((2, 5, 4), complex)
+    for i, (exc, match, call) in enumerate([
+            (ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+             lambda: _BLOCKS[name](x1)),
+            (ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+             lambda: _BLOCKS[name].forward_backward(x1)),
+            (ValueError, r"^x: expected last dim 4, got shape \(2, 5, 3\)$", lambda: _BLOCKS[name](x3)),
+            (TypeError, r"^x: expected real numbers \(float32/float64\), got dtype complex128$",
+             lambda: _BLOCKS[name](xc))]):
+        _run_cases((str(i), exc, match, call), dict(x1=x1, x3=x3, xc=xc))
 
 
 # ---------------------------------------------------------------- row 19: mismatched sizes
@@ -1100,8 +1103,6 @@ def test_row20_bad_dtypes_raise(dtype):
         cases.append((TypeError, r"^targets: expected integer class indices or floating class probabilities, "
                                  rf"got dtype {re.escape(name)}$", lambda: LS.cross_entropy(z, _bad(y, dtype))))
     for n in _BLOCKS:
-        if n.startswith("Transformer"):
-            continue   # they name x 'query': test_row18_transformer_errors_name_x
         want = r"^x: expected a real floating array" if n == "Dropout" else \
             r"^x: expected real numbers \(float32/float64\), got dtype "
         cases.append((TypeError, want, lambda n=n: _BLOCKS[n](bx)))
@@ -1431,20 +1432,25 @@ def test_row24_bad_options_and_hyperparameters(case):
     _run_cases(case)
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): layer_norm_eps='a' raises float()'s "
-                                       "'could not convert string to float'; -1 is reported as 'eps'")
-def test_row24_transformer_layer_norm_eps():
-    with pytest.raises(TypeError, match=r"^layer_norm_eps: "):
-        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps="a")
-    with pytest.raises(ValueError, match=r"^layer_norm_eps: "):
-        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=-1)
+@pytest.mark.parametrize("bad,exc,match", [
+    ("a", TypeError, r"^layer_norm_eps: expected a real number, got str$"),
+    (True, TypeError, r"^layer_norm_eps: expected a real number, got bool$"),
+    (-1, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got -1.0$"),
+    (math.inf, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got inf$"),
+    (math.nan, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got nan$"),
+], ids=["str", "bool", "negative", "inf", "nan"])
+def test_row24_transformer_layer_norm_eps(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=bad)
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoder(None / 'abc', n) "
-                                       "raises dict()'s TypeError / ValueError")
-@pytest.mark.parametrize("config", [None, "abc", 3])
-def test_row24_transformer_encoder_layer_config(config):
-    with pytest.raises(TypeError, match=r"^layer_config: "):
+@pytest.mark.parametrize("config,got", [(None, "NoneType None"), ("abc", "str 'abc'"), (3, "int 3"),
+                                        (L.TransformerEncoderLayer, r"the class TransformerEncoderLayer "
+                                                                    r"\(not an instance of it\)")],
+                         ids=["None", "abc", "3", "class"])
+def test_row24_transformer_encoder_layer_config(config, got):
+    with pytest.raises(TypeError, match=r"^layer_config: expected a TransformerEncoderLayer or its "
+                                        rf"get_config\(\) dict, got {got}$"):
         L.TransformerEncoder(config, 1)
 
 

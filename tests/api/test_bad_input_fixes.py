@@ -262,3 +262,85 @@ def test_multi_head_attention_backward_with_zero_batch_or_length(shape):
     enc = L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64)
     out, backprop = enc.forward_backward(x)
     assert backprop(np.zeros(out.shape))[0].shape == shape
+
+
+def _raises(exc, match, call, *inputs):
+    """``call()`` raises ``exc`` matching ``match`` (from the start); ``inputs`` unchanged."""
+    assert match.startswith("^"), match
+    saved = [np.array(a, copy=True) for a in inputs]
+    with pytest.raises(exc, match=match):
+        call()
+    for a, s in zip(inputs, saved):
+        np.testing.assert_array_equal(a, s)
+
+
+# -------------------------------------------------- the transformer blocks' names
+
+@pytest.mark.parametrize("make", [
+    lambda: L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0),
+    lambda: L.TransformerEncoder(L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0), 2, norm=True)],
+    ids=["layer", "encoder"])
+def test_transformer_errors_name_x(make):
+    """TransformerEncoderLayer / TransformerEncoder passed x on unchecked: a bad x was
+    reported by MultiHeadAttention as 'query'."""
+    layer = make()
+    x0, x1, x5, xc = np.float64(1.0), np.ones(4), np.ones((2, 3, 5)), np.ones((2, 3, 4), complex)
+    _raises(ValueError, r"^x: expected a 2-d or 3-d array, got 0-d array of shape \(\)$", lambda: layer(x0))
+    _raises(ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+            lambda: layer.forward_backward(x1), x1)
+    _raises(ValueError, r"^x: expected last dim 4, got shape \(2, 3, 5\)$", lambda: layer(x5), x5)
+    _raises(TypeError, r"^x: expected real numbers \(float32/float64\), got dtype complex128$",
+            lambda: layer.forward_backward(xc), xc)
+    _raises(TypeError, r"^x: expected an array of real numbers, got list", lambda: layer([[1.0] * 4, [1.0]]))
+    assert layer(np.ones((3, 4))).shape == (3, 4)       # unbatched (L, E), as torch
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(d_model=4, nhead=3), ValueError, r"^nhead: expected a divisor of d_model=4, got 3$"),
+    (dict(d_model=0, nhead=1), ValueError, r"^d_model: expected an int >= 1, got 0$"),
+    (dict(d_model=4.0, nhead=2), TypeError, r"^d_model: expected an int >= 1, got float 4.0$"),
+    (dict(d_model=4, nhead=0), ValueError, r"^nhead: expected an int >= 1, got 0$"),
+    (dict(d_model=4, nhead=2, dim_feedforward="8"), TypeError, r"^dim_feedforward: expected an int >= 1, "
+                                                                r"got str '8'$"),
+    (dict(d_model=4, nhead=2, dropout="0.1"), TypeError, r"^dropout: expected a probability \(a real number\), "
+                                                         r"got str '0.1'$"),
+    (dict(d_model=4, nhead=2, dropout=-0.1), ValueError, r"^dropout: expected a probability in \[0, 1\), got -0.1$"),
+    (dict(d_model=4, nhead=2, activation="tanh"), ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$"),
+    (dict(d_model=4, nhead=2, activation=None), TypeError, r"^activation: expected 'relu' or 'gelu', got NoneType None$"),
+    (dict(d_model=4, nhead=2, activation=np.array(["relu", "gelu"])), TypeError,
+     r"^activation: expected 'relu' or 'gelu', got ndarray"),
+    (dict(d_model=4, nhead=2, layer_norm_eps="a"), TypeError, r"^layer_norm_eps: expected a real number, got str$"),
+    (dict(d_model=4, nhead=2, layer_norm_eps=-1), ValueError, r"^layer_norm_eps: expected a finite number >= 0, "
+                                                              r"got -1.0$"),
+    (dict(d_model=4, nhead=2, norm_first=1), TypeError, r"^norm_first: expected a bool, got int 1$"),
+    (dict(d_model=4, nhead=2, bias="yes"), TypeError, r"^bias: expected a bool, got str 'yes'$"),
+    (dict(d_model=4, nhead=2, dtype=np.float16), TypeError, r"^dtype: expected float32 or float64, got float16$"),
+    (dict(d_model=4, nhead=2, seed="abc"), TypeError, r"^seed: expected None, an int or a np.random.Generator, "
+                                                      r"got str$"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_transformer_encoder_layer_constructor_names_its_arguments(kwargs, exc, match):
+    """layer_norm_eps='a' raised float()'s bare message and -1 was reported as 'eps'
+    (LayerNorm's name); TransformerEncoderLayer(4, 3) as 'num_heads: expected a
+    divisor of embed_dim' (MultiHeadAttention's names); seed='abc' as NumPy's."""
+    _raises(exc, match, lambda: L.TransformerEncoderLayer(**kwargs))
+    if len(kwargs) > 2 and "seed" not in kwargs:   # from a config dict: the same messages (its seed
+        # is replaced by the encoder's)
+        _raises(exc, match, lambda: L.TransformerEncoder(kwargs, 1))
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    (None, TypeError, r"^layer_config: expected a TransformerEncoderLayer or its get_config\(\) dict, "
+                      r"got NoneType None$"),
+    ("abc", TypeError, r"^layer_config: expected a TransformerEncoderLayer or its get_config\(\) dict, "
+                       r"got str 'abc'$"),
+    ([("d_model", 4), ("nhead", 2)], TypeError, r"^layer_config: expected a TransformerEncoderLayer or its "
+                                                r"get_config\(\) dict, got list"),
+    ({"d_model": 4}, ValueError, r"^layer_config: missing required key 'nhead'$"),
+    ({"d_model": 4, "nhead": 2, "heads": 2}, ValueError, r"^layer_config: unknown keys \['heads'\]; expected some of"),
+    ({"d_model": 4, "nhead": 3}, ValueError, r"^nhead: expected a divisor of d_model=4, got 3$"),
+], ids=["None", "str", "list", "missing", "unknown", "nhead"])
+def test_transformer_encoder_layer_config(config, exc, match):
+    """TransformerEncoder(None / 'abc', n) raised dict()'s bare TypeError / ValueError."""
+    _raises(exc, match, lambda: L.TransformerEncoder(config, 2))
+    enc = L.TransformerEncoder({"d_model": 4, "nhead": 2, "dim_feedforward": 6}, 2, seed=0)
+    assert enc.get_config()["layer_config"]["dim_feedforward"] == 6
