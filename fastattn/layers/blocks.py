@@ -323,7 +323,9 @@ def layer_classes():
 # ========================================================= AttentionPooling
 def _masked_softmax_last(s, mask):
     """softmax over the last axis of s (B, r, L) with mask (B, L) bool (None:
-    all); rows with no allowed position give zeros."""
+    all); rows with no allowed position give zeros (L = 0 too)."""
+    if s.shape[-1] == 0:   # no position: np.max has no identity for an empty axis
+        return np.zeros(s.shape)
     if mask is not None:
         s = np.where(mask[:, None, :], s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
@@ -386,7 +388,8 @@ class AttentionPooling(Layer):
         return u, a, m
 
     def _out(self, m):
-        return m.reshape(m.shape[0], -1) if self._config["flatten"] else m
+        # the sizes spelled out: -1 cannot be inferred when B = 0
+        return m.reshape(m.shape[0], m.shape[1] * m.shape[2]) if self._config["flatten"] else m
 
     def forward(self, x, mask=None, *, return_weights=False):
         """``(B, hops·E)`` (``flatten``) or ``(B, hops, E)``; with ``return_weights``
@@ -488,7 +491,7 @@ class PositionalEmbedding(Layer):
             if g.shape != out.shape:
                 raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
             if self._config["kind"] == "learned":
-                w = self.grads["weight"]
-                w[:L] += g.reshape(-1, L, g.shape[-1]).sum(axis=0, dtype=np.float64).astype(w.dtype)
+                w = self.grads["weight"]   # the sum over the batch (no reshape: B or L may be 0)
+                w[:L] += g.sum(axis=tuple(range(g.ndim - 2)), dtype=np.float64).astype(w.dtype)
             return (g,)
         return out, backprop

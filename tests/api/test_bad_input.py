@@ -1198,35 +1198,41 @@ def test_row21_zero_size_losses():
                 r"\(2, 0\)$", lambda: LS.cross_entropy(np.zeros((2, 0)), np.zeros(2, np.int64))))
 
 
-@pytest.mark.parametrize("name", [n for n in _BLOCKS if n != "AttentionPooling"])
+@pytest.mark.parametrize("name", list(_BLOCKS))
 @pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
 def test_row21_blocks_with_zero_batch_or_length(name, shape):
-    if name == "PositionalEmbedding" and shape[1] == 0:
-        pytest.skip("its backprop fails: test_row21_positional_embedding_backprop_with_zero_length")
     x = np.zeros(shape)
+    saved = _snapshot(dict(x=x))
     out, dx = _fb(_BLOCKS[name], x)
+    _assert_unchanged(dict(x=x), saved)
     assert dx.shape == shape
-    want = shape[:1] + shape[2:] if name == "MeanPooling" else shape
+    want = {"MeanPooling": shape[:1] + shape[2:], "AttentionPooling": shape[:1] + (8,)}.get(name, shape)
     assert out.shape == want
-    if name == "MeanPooling":
-        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to average
+    if name in ("MeanPooling", "AttentionPooling"):
+        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to pool
 
 
-@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): PositionalEmbedding's backprop "
-                                       "reshapes grad_out to (-1, L, E): NumPy's 'cannot reshape array of size 0'")
 def test_row21_positional_embedding_backprop_with_zero_length():
     layer = L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64)
+    layer.zero_grad()
     out, backprop = layer.forward_backward(np.zeros((2, 0, 4)))
     assert backprop(np.zeros(out.shape))[0].shape == (2, 0, 4)
+    np.testing.assert_array_equal(layer.grads["weight"], 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): AttentionPooling raises NumPy's "
-                                       "'cannot reshape array of size 0' (B = 0) and 'zero-size array to "
-                                       "reduction operation maximum' (L = 0)")
 @pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
 def test_row21_attention_pooling_with_zero_batch_or_length(shape):
-    out = _BLOCKS["AttentionPooling"](np.zeros(shape))
-    assert out.shape == (shape[0], 8)
+    """Empty outputs; L = 0: zeros (as an all-padding row) and zero weight gradients."""
+    layer = L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64)
+    out, a = layer(np.zeros(shape), return_weights=True)
+    assert out.shape == (shape[0], 8) and a.shape == (shape[0], 2, shape[1])
+    np.testing.assert_array_equal(out, 0.0)
+    (out, P), backprop = layer.forward_backward(np.zeros(shape), penalty=1.0)
+    dx, _ = backprop(np.ones(out.shape))
+    assert dx.shape == shape and out.shape == (shape[0], 8)
+    assert P == (2.0 if shape[0] else 0.0)    # ||A Aᵀ - I||² = hops for an all-zero A
+    for g in layer.grads.values():
+        np.testing.assert_array_equal(g, 0.0)
 
 
 ROW21 = [

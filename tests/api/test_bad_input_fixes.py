@@ -344,3 +344,42 @@ def test_transformer_encoder_layer_config(config, exc, match):
     _raises(exc, match, lambda: L.TransformerEncoder(config, 2))
     enc = L.TransformerEncoder({"d_model": 4, "nhead": 2, "dim_feedforward": 6}, 2, seed=0)
     assert enc.get_config()["layer_config"]["dim_feedforward"] == 6
+
+
+# -------------------------------------------------- blocks: empty sizes, grad_out
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4), (0, 0, 4)], ids=["B0", "L0", "B0-L0"])
+@pytest.mark.parametrize("flatten", [True, False])
+def test_attention_pooling_with_zero_batch_or_length(shape, flatten):
+    """B = 0 raised NumPy's 'cannot reshape array of size 0' (reshape(B, -1)),
+    L = 0 'zero-size array to reduction operation maximum' (the softmax's max)."""
+    layer = L.AttentionPooling(4, 3, hops=2, flatten=flatten, seed=0)
+    x = np.zeros(shape, np.float32)
+    mask = np.zeros(shape[:2], bool)
+    want = (shape[0], 8) if flatten else (shape[0], 2, 4)
+    for m in (None, mask):
+        out, a = layer(x, m, return_weights=True)
+        assert out.shape == want and out.dtype == np.float32 and a.shape == (shape[0], 2, shape[1])
+        np.testing.assert_array_equal(out, 0.0)
+        layer.zero_grad()
+        (out, _), backprop = layer.forward_backward(x, m, penalty=0.5)
+        dx, none = backprop(np.ones(want, np.float32))
+        assert dx.shape == shape and dx.dtype == np.float32 and none is None
+        for g in layer.grads.values():
+            np.testing.assert_array_equal(g, 0.0)
+    np.testing.assert_array_equal(x, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("shape", [(2, 0, 4), (0, 3, 4), (0, 4)], ids=["L0", "B0", "unbatched-L0"])
+def test_positional_embedding_backprop_with_zero_length(kind, shape):
+    """grad_out.reshape(-1, L, E) cannot infer -1 from 0 elements."""
+    layer = L.PositionalEmbedding(8, 4, kind=kind, seed=0, dtype=np.float64)
+    layer.zero_grad()
+    out, backprop = layer.forward_backward(np.zeros(shape))
+    assert out.shape == shape
+    (dx,) = backprop(np.zeros(shape))
+    assert dx.shape == shape
+    for g in layer.grads.values():
+        np.testing.assert_array_equal(g, 0.0)
+
