@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
+from .._validation import check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
 
@@ -230,9 +231,7 @@ class MeanPooling(Layer):
         out = np.einsum("bl,ble->be", w, x)
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             return (w[:, :, None] * g[:, None, :]).astype(x.dtype), None
         return out, backprop
 
@@ -420,9 +419,7 @@ class AttentionPooling(Layer):
         p = self._params
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             gm = g.reshape(m.shape).astype(np.float64)
             a64, x64 = a.astype(np.float64), x.astype(np.float64)
             dx = np.matmul(np.swapaxes(a64, 1, 2), gm)                  # through M = A x
@@ -476,22 +473,24 @@ class PositionalEmbedding(Layer):
     def __call__(self, x):
         return self.forward(x)
 
+    def _x(self, x):
+        return as_float_input(x, "x", (2, 3), last=self._config["embed_dim"])
+
     def forward(self, x):
-        x = as_float_input(x, "x", (2, 3), last=self._config["embed_dim"])
+        x = self._x(x)
         return x + self._pe(x.shape[-2])
 
     def forward_backward(self, x):
-        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (the learned
-        table gets the sum over the batch)."""
-        out = self.forward(x)
-        L = out.shape[-2]
+        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (``dx`` a new
+        array in x's dtype; the learned table gets the sum over the batch)."""
+        x = self._x(x)
+        out = x + self._pe(x.shape[-2])
+        L, xdt = out.shape[-2], x.dtype
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             if self._config["kind"] == "learned":
                 w = self.grads["weight"]   # the sum over the batch (no reshape: B or L may be 0)
                 w[:L] += g.sum(axis=tuple(range(g.ndim - 2)), dtype=np.float64).astype(w.dtype)
-            return (g,)
+            return (np.array(g, dtype=xdt),)   # a copy: never the caller's grad_out
         return out, backprop

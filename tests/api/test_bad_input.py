@@ -1131,7 +1131,17 @@ ROW20 = [
      r"float32$", lambda: O.SGD([("w", _T["w"], np.zeros(4, np.float32))])),
     ("bucket_batches-float-ids", TypeError, r"^seqs\[0\]: expected integer ids, got dtype float64$",
      lambda: T.bucket_batches([[1.5, 2.0]], batch_size=2)),
+] + [
+    (f"{n}-backprop-int-grad_out", TypeError, r"^grad_out: expected a real floating array \(float16, float32 or "
+     r"float64\), got dtype int64$", lambda n=n: _int_grad_backprop(_BLOCKS[n]))
+    for n in _BLOCKS
 ]
+
+
+def _int_grad_backprop(layer):
+    out, backprop = layer.forward_backward(_T["x"])
+    o = out[0] if isinstance(out, tuple) else out
+    return backprop(np.ones(o.shape, np.int64))
 
 
 @pytest.mark.parametrize("case", ROW20, ids=_ids(ROW20))

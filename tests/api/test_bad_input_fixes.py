@@ -383,3 +383,35 @@ def test_positional_embedding_backprop_with_zero_length(kind, shape):
     for g in layer.grads.values():
         np.testing.assert_array_equal(g, 0.0)
 
+
+_POOL_AND_PE = {
+    "PositionalEmbedding": lambda: L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64),
+    "MeanPooling": lambda: L.MeanPooling(),
+    "AttentionPooling": lambda: L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64),
+}
+
+
+@pytest.mark.parametrize("name", list(_POOL_AND_PE))
+def test_block_backprops_check_grad_out_and_never_return_it(name):
+    """The backprops of PositionalEmbedding, MeanPooling and AttentionPooling took an
+    integer grad_out (PositionalEmbedding then returned an int64 dx: the caller's
+    grad_out array itself)."""
+    layer = _POOL_AND_PE[name]()
+    x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    out, backprop = layer.forward_backward(x)
+    o = out[0] if isinstance(out, tuple) else out
+    gi, gb, gc = np.ones(o.shape, np.int64), np.ones(o.shape, bool), np.ones(o.shape, complex)
+    for bad, dt in ((gi, "int64"), (gb, "bool"), (gc, "complex128")):
+        _raises(TypeError, rf"^grad_out: expected a real floating array \(float16, float32 or float64\), "
+                           rf"got dtype {dt}$", lambda: backprop(bad), bad, x)
+    _raises(ValueError, rf"^grad_out: expected shape {re.escape(str(o.shape))}, got \(3, 3\)$",
+            lambda: backprop(np.ones((3, 3))))
+    for dt in (np.float16, np.float32, np.float64):
+        g = np.ones(o.shape, dt)
+        g0 = g.copy()
+        dx = backprop(g)[0]
+        assert dx is not g and not np.shares_memory(dx, g)
+        assert dx.dtype == np.float64 and dx.shape == x.shape     # x's dtype
+        np.testing.assert_array_equal(g, g0)
+        dx[...] = 7.0                                             # writing dx leaves grad_out alone
+        np.testing.assert_array_equal(g, g0)
