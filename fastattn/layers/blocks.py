@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
+from .._norm import _check_eps
 from .._validation import check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
@@ -57,13 +58,11 @@ class LayerNorm(Layer):
     def __init__(self, normalized_shape, eps=1e-5, *, elementwise_affine=True, bias=True,
                  dtype=np.float32):
         E = check_int(normalized_shape, "normalized_shape")
-        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating)) \
-                or not eps >= 0:
-            raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+        eps = _check_eps(eps)   # functional.layer_norm's check, at construction
         elementwise_affine = check_bool(elementwise_affine, "elementwise_affine")
         bias = check_bool(bias, "bias")
         dt = check_dtype(dtype)
-        self._config = dict(normalized_shape=E, eps=float(eps), elementwise_affine=elementwise_affine,
+        self._config = dict(normalized_shape=E, eps=eps, elementwise_affine=elementwise_affine,
                             bias=bias, dtype=dt.name)
         self._params = {}
         if elementwise_affine:

@@ -1390,6 +1390,8 @@ ROW24 = [
      lambda: LS.cross_entropy(_T["z"], _T["t"], ignore_index=1.5)),
     ("LayerNorm-normalized_shape", TypeError, r"^normalized_shape: expected an int >= 1, got tuple \(4,\)$",
      lambda: L.LayerNorm((4,))),
+    ("LayerNorm-eps", ValueError, r"^eps: expected a finite number >= 0, got inf$", lambda: L.LayerNorm(4, math.inf)),
+    ("LayerNorm-eps-type", TypeError, r"^eps: expected a real number, got str$", lambda: L.LayerNorm(4, "a")),
     ("Dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$", lambda: L.Dropout(1.0)),
     ("FeedForward-activation", ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$",
      lambda: L.FeedForward(4, 8, activation="tanh")),

@@ -5,6 +5,7 @@ tests/api/test_bad_input.py.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -415,3 +416,19 @@ def test_block_backprops_check_grad_out_and_never_return_it(name):
         np.testing.assert_array_equal(g, g0)
         dx[...] = 7.0                                             # writing dx leaves grad_out alone
         np.testing.assert_array_equal(g, g0)
+
+
+@pytest.mark.parametrize("eps,exc,match", [
+    (math.inf, ValueError, r"^eps: expected a finite number >= 0, got inf$"),
+    (math.nan, ValueError, r"^eps: expected a finite number >= 0, got nan$"),
+    (-1, ValueError, r"^eps: expected a finite number >= 0, got -1.0$"),
+    ("a", TypeError, r"^eps: expected a real number, got str$"),
+    (None, TypeError, r"^eps: expected a real number, got NoneType$"),
+    (True, TypeError, r"^eps: expected a real number, got bool$"),
+], ids=["inf", "nan", "negative", "str", "None", "bool"])
+def test_layer_norm_layer_checks_eps_at_construction(eps, exc, match):
+    """LayerNorm(4, inf) was accepted and failed on the first call (functional.layer_norm's
+    check); eps='a' raised ValueError instead of TypeError."""
+    _raises(exc, match, lambda: L.LayerNorm(4, eps))
+    assert L.LayerNorm(4, np.float32(0.5)).get_config()["eps"] == 0.5
+    assert L.LayerNorm(4, np.int64(0)).get_config()["eps"] == 0.0
