@@ -432,3 +432,87 @@ def test_layer_norm_layer_checks_eps_at_construction(eps, exc, match):
     _raises(exc, match, lambda: L.LayerNorm(4, eps))
     assert L.LayerNorm(4, np.float32(0.5)).get_config()["eps"] == 0.5
     assert L.LayerNorm(4, np.int64(0)).get_config()["eps"] == 0.0
+
+
+# -------------------------------------------------- norm / act: 0-d, dtypes, warnings
+
+def _zero_d_calls(x):
+    g = np.ones((), x.dtype if x.dtype.kind == "f" else np.float64)
+    return {
+        "gelu": lambda: F.gelu(x), "gelu-tanh": lambda: F.gelu(x, approximate="tanh"),
+        "relu": lambda: F.relu(x), "dropout": lambda: F.dropout(x, 0.5, rng=np.random.default_rng(0))[0],
+        "gelu_backward": lambda: F.gelu_backward(g, x), "relu_backward": lambda: F.relu_backward(g, x),
+        "dropout_backward": lambda: F.dropout_backward(g, np.array(True), 0.5),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64, np.bool_])
+def test_elementwise_ops_return_0d_arrays_for_0d_input(dtype):
+    """gelu, relu, dropout (float16) and their backwards returned NumPy scalars for a
+    0-d input (a ufunc on 0-d arrays returns a scalar)."""
+    x = np.array(1.5).astype(dtype)
+    x0 = x.copy()
+    for name, call in _zero_d_calls(x).items():
+        y = call()
+        assert type(y) is np.ndarray and y.shape == (), (name, type(y))
+        assert y.dtype == (x.dtype if x.dtype.kind == "f" else np.float64), name
+    np.testing.assert_array_equal(x, x0)
+
+
+@pytest.mark.parametrize("xdt", [np.float16, np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("gdt", [np.float16, np.float32, np.float64])
+def test_relu_backward_dtype_follows_x_as_gelu_backward(xdt, gdt):
+    """relu_backward returned grad_out's dtype (a float16 gradient of a float64 x);
+    gelu_backward returns x's (float64 for integer x)."""
+    x = np.array([[-1, 2, 0], [3, -4, 5]], dtype=xdt)
+    g = np.arange(6, dtype=gdt).reshape(2, 3)
+    x0, g0 = x.copy(), g.copy()
+    want = np.dtype(xdt) if np.dtype(xdt).kind == "f" else np.dtype(np.float64)
+    got = F.relu_backward(g, x)
+    assert got.dtype == want == F.gelu_backward(g, x).dtype
+    np.testing.assert_array_equal(got, np.where(x <= 0, 0, g).astype(want))
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(g, g0)
+
+
+def test_gelu_float16_follows_the_float16_rule():
+    """gelu returned float32 for float16 input, where relu and dropout return float16
+    (docs/bad_input.md row 5: computed in float32 or wider, float16 when every argument is)."""
+    x = np.linspace(-4, 4, 17).astype(np.float16)
+    x0 = x.copy()
+    for approximate in ("none", "tanh"):
+        y = F.gelu(x, approximate=approximate)
+        assert y.dtype == np.float16
+        np.testing.assert_array_equal(y, F.gelu(x.astype(np.float64), approximate=approximate)
+                                      .astype(np.float16))   # rounded once
+        assert F.gelu_backward(np.ones(17, np.float16), x, approximate=approximate).dtype == np.float16
+    assert F.relu(x).dtype == F.dropout(x, 0.5, rng=np.random.default_rng(0))[0].dtype == np.float16
+    assert F.gelu(x.astype(np.float32)).dtype == np.float32 and F.gelu(x.astype(np.int8)).dtype == np.float64
+    np.testing.assert_array_equal(x, x0)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("case", ["E0", "inf-x", "inf-grad", "float16-overflow"])
+def test_layer_norm_and_gelu_emit_no_runtime_warnings(case):
+    """NaN / inf (and E = 0) propagate as documented without NumPy's RuntimeWarnings."""
+    if case == "E0":
+        x, g, w = np.zeros((2, 0)), np.zeros((2, 0)), np.ones(0)
+    elif case == "inf-x":
+        x = np.array([[np.inf, 1.0, 2.0], [-np.inf, np.inf, 0.0], [1.0, 2.0, 4.0]])
+        g, w = np.ones((3, 3)), np.ones(3)
+    elif case == "inf-grad":
+        x = np.arange(12.0).reshape(4, 3)
+        g, w = np.ones((4, 3)), np.ones(3)
+        g[0, 0], g[3, 0] = np.inf, -np.inf      # inf - inf in dbias's sum
+    else:
+        x = np.array([[1, 2, 3], [4, 5, 6]], np.float16)
+        g, w = np.full((2, 3), 6e4, np.float16), np.full(3, 6e4, np.float16)
+    saved = [a.copy() for a in (x, g, w)]
+    y = F.layer_norm(x, w, w)
+    dx, dw, db = F.layer_norm_backward(g, x, w, w)
+    assert y.shape == dx.shape == x.shape and dw.shape == db.shape == w.shape
+    if case == "inf-x":
+        assert np.isnan(y[:2]).all() and np.isfinite(y[2]).all()
+    F.gelu(x), F.gelu_backward(g, x), F.gelu(x, approximate="tanh"), F.gelu_backward(g, x, approximate="tanh")
+    for a, s in zip((x, g, w), saved):
+        np.testing.assert_array_equal(a, s)
