@@ -17,6 +17,14 @@ whose seed is one draw from the caller's NumPy Generator: seeded runs repeat,
 for any thread count; ``P(keep) = 1 - p`` to within 2^-32.  Kept entries are
 scaled by ``1 / (1 - p)``.
 
+Result dtypes (docs/bad_input.md rows 5 and 20): ``gelu``, ``relu`` and
+``dropout`` return float16 for float16 input (computed in float32 or wider),
+float32 for float32, float64 for float64, bool and integers; ``layer_norm``
+returns its compute dtype (float32 also when every argument is float16).
+Each gradient has its input's dtype (float64 for bool / integer inputs;
+``dropout_backward``: grad_out's).  A 0-d input gives a 0-d array, never a
+NumPy scalar.
+
 layer_norm, dropout and the backward of dropout and relu run on
 fastattn._rowwise (C, GIL released, fastattn's worker pool: ``n_threads``,
 default :func:`fastattn.get_num_threads`).  Inputs are never modified.
@@ -70,12 +78,32 @@ def _compute_dtype(*arrays):
     return np.dtype(np.float32)
 
 
-def _check_eps(eps):
+def _result_dtype(*arrays):
+    """docs/bad_input.md row 5's rule for a forward result: float16 when every
+    array argument (None: absent) is float16 (computed in float32 or wider),
+    else the compute dtype (float32 with float32 / float16 ones, float64
+    otherwise)."""
+    given = [a for a in arrays if a is not None]
+    if given and all(a.dtype == np.float16 for a in given):
+        return np.dtype(np.float16)
+    return _compute_dtype(*arrays)
+
+
+def _grad_dtype(x):
+    """A gradient's dtype: its input's when that is a float dtype, else float64
+    (bool and integer inputs are computed in float64)."""
+    return x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
+
+
+def _check_eps(eps, name="eps"):
+    """``eps`` as a float: a real number (not a bool), finite and >= 0
+    (also ``layers.LayerNorm``'s and ``TransformerEncoderLayer``'s, whose
+    ``layer_norm_eps`` it names)."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"eps: expected a real number, got {describe(eps)}")
+        raise TypeError(f"{name}: expected a real number, got {describe(eps)}")
     eps = float(eps)
     if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
     return eps
 
 
@@ -127,11 +155,14 @@ def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5, *, n_thre
         _rowwise.layer_norm_backward(_rows(g, cdt), _rows(x, cdt),
                                      None if w is None else np.ascontiguousarray(w, cdt), eps,
                                      dx.reshape(rows, E), parts, nt)
-    if affine:  # the chunks' sums, in chunk order
-        sums = np.add.reduce(parts, axis=0) if parts.shape[0] else np.zeros((2, E))
-    dw = None if w is None else sums[0].astype(w.dtype if w.dtype.kind == "f" else cdt)
-    db = None if b is None else sums[1].astype(b.dtype if b.dtype.kind == "f" else cdt)
-    return dx.astype(x.dtype if x.dtype.kind == "f" else cdt, copy=False), dw, db
+    # NaN / inf in the inputs reach these sums and casts (inf - inf, float16 overflow):
+    # they propagate, as documented, without NumPy's RuntimeWarnings
+    with np.errstate(invalid="ignore", over="ignore"):
+        if affine:  # the chunks' sums, in chunk order
+            sums = np.add.reduce(parts, axis=0) if parts.shape[0] else np.zeros((2, E))
+        dw = None if w is None else sums[0].astype(w.dtype if w.dtype.kind == "f" else cdt)
+        db = None if b is None else sums[1].astype(b.dtype if b.dtype.kind == "f" else cdt)
+        return dx.astype(x.dtype if x.dtype.kind == "f" else cdt, copy=False), dw, db
 
 
 def _check_approximate(approximate):
@@ -147,13 +178,13 @@ def gelu(x, approximate="none"):
     ``0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`` (``"tanh"``)."""
     _check_approximate(approximate)
     x = _float_array(x, "x")
-    cdt = _compute_dtype(x)
     x64 = x.astype(np.float64)
-    if approximate == "tanh":
-        y = 0.5 * x64 * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)))
-    else:
-        y = 0.5 * x64 * (1.0 + special.erf(x64 / math.sqrt(2.0)))
-    return y.astype(cdt)
+    with np.errstate(invalid="ignore", over="ignore"):   # gelu(-inf) = -inf * 0: NaN, as torch's
+        if approximate == "tanh":
+            y = 0.5 * x64 * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)))
+        else:
+            y = 0.5 * x64 * (1.0 + special.erf(x64 / math.sqrt(2.0)))
+        return np.asarray(y.astype(_result_dtype(x)))   # a 0-d array for 0-d x, not a scalar
 
 
 def gelu_backward(grad_out, x, approximate="none"):
@@ -162,13 +193,14 @@ def gelu_backward(grad_out, x, approximate="none"):
     x = _float_array(x, "x")
     g = check_grad_array(grad_out, "grad_out", x.shape).astype(np.float64)
     x64 = x.astype(np.float64)
-    if approximate == "tanh":
-        u = _SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)
-        t = np.tanh(u)
-        d = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
-    else:
-        d = 0.5 * (1.0 + special.erf(x64 / math.sqrt(2.0))) + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
-    return (g * d).astype(x.dtype if x.dtype.kind == "f" else _compute_dtype(x))
+    with np.errstate(invalid="ignore", over="ignore"):   # NaN at +-inf, as torch's
+        if approximate == "tanh":
+            u = _SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)
+            t = np.tanh(u)
+            d = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
+        else:
+            d = 0.5 * (1.0 + special.erf(x64 / math.sqrt(2.0))) + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+        return np.asarray((g * d).astype(_grad_dtype(x)))
 
 
 def relu(x):
@@ -176,12 +208,14 @@ def relu(x):
     x = _float_array(x, "x")
     if x.dtype.kind != "f":
         x = x.astype(np.float64)
-    return np.maximum(x, x.dtype.type(0))   # NaN propagates through np.maximum
+    # NaN propagates through np.maximum; out=: a 0-d array for 0-d x, not a scalar
+    return np.maximum(x, x.dtype.type(0), out=np.empty(x.shape, x.dtype))
 
 
 def relu_backward(grad_out, x, *, n_threads=None):
     """``grad_out`` except where ``x <= 0`` (0 there: torch's choice at 0; a NaN
-    ``x`` passes the gradient, as torch's)."""
+    ``x`` passes the gradient, as torch's), in x's dtype (float64 for bool /
+    integer x), as :func:`gelu_backward`."""
     x = _float_array(x, "x")
     g = check_grad_array(grad_out, "grad_out", x.shape)
     if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and x.dtype == g.dtype and g.size:
@@ -190,7 +224,7 @@ def relu_backward(grad_out, x, *, n_threads=None):
         _rowwise.relu_backward(np.ascontiguousarray(g).reshape(-1),
                                np.ascontiguousarray(x).reshape(-1), out.reshape(-1), nt)
         return out
-    return np.where(x <= 0, g.dtype.type(0), g)
+    return np.where(x <= 0, g.dtype.type(0), g).astype(_grad_dtype(x), copy=False)
 
 
 def _check_p(p):
@@ -224,7 +258,7 @@ def dropout(x, p, *, rng, n_threads=None):
         return out, keep
     if keep.size:
         _rowwise.dropout(None, None, keep.reshape(-1), seed, threshold, scale, nt)
-    out = np.multiply(x, keep, dtype=dt)
+    out = np.multiply(x, keep, dtype=dt, out=np.empty(x.shape, dt))   # out=: 0-d stays an array
     out *= dt.type(scale)
     return out, keep
 
@@ -243,6 +277,6 @@ def dropout_backward(grad_out, keep, p, *, n_threads=None):
                             np.ascontiguousarray(keep).reshape(-1), 1.0 / (1.0 - p),
                             out.reshape(-1), nt)
         return out
-    out = np.multiply(g, keep, dtype=g.dtype)
+    out = np.multiply(g, keep, dtype=g.dtype, out=np.empty(g.shape, g.dtype))   # 0-d stays an array
     out *= g.dtype.type(1.0 / (1.0 - p))
     return out

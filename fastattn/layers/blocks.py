@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
+from .._norm import _check_eps
+from .._validation import check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
 
@@ -38,6 +40,15 @@ def _check_p(p, name="p"):
     return p
 
 
+def _check_activation(activation):
+    if not isinstance(activation, str):
+        raise TypeError(f"activation: expected 'relu' or 'gelu', got {type(activation).__name__} "
+                        f"{activation!r}")
+    if activation not in ("relu", "gelu"):
+        raise ValueError(f"activation: expected 'relu' or 'gelu', got {activation!r}")
+    return str(activation)
+
+
 # ============================================================== LayerNorm
 class LayerNorm(Layer):
     """``torch.nn.LayerNorm(normalized_shape)`` over the last axis: ``weight``
@@ -47,13 +58,11 @@ class LayerNorm(Layer):
     def __init__(self, normalized_shape, eps=1e-5, *, elementwise_affine=True, bias=True,
                  dtype=np.float32):
         E = check_int(normalized_shape, "normalized_shape")
-        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating)) \
-                or not eps >= 0:
-            raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+        eps = _check_eps(eps)   # functional.layer_norm's check, at construction
         elementwise_affine = check_bool(elementwise_affine, "elementwise_affine")
         bias = check_bool(bias, "bias")
         dt = check_dtype(dtype)
-        self._config = dict(normalized_shape=E, eps=float(eps), elementwise_affine=elementwise_affine,
+        self._config = dict(normalized_shape=E, eps=eps, elementwise_affine=elementwise_affine,
                             bias=bias, dtype=dt.name)
         self._params = {}
         if elementwise_affine:
@@ -144,13 +153,12 @@ class FeedForward(Layer):
                  seed=None, dtype=np.float32):
         embed_dim = check_int(embed_dim, "embed_dim")
         hidden_dim = check_int(hidden_dim, "hidden_dim")
-        if activation not in ("relu", "gelu"):
-            raise ValueError(f"activation: expected 'relu' or 'gelu', got {activation!r}")
+        activation = _check_activation(activation)
         dropout = _check_p(dropout, "dropout")
-        rng = _rng(seed)
         self._config = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, activation=activation,
                             dropout=dropout, bias=check_bool(bias, "bias"),
                             seed=_config_seed(seed), dtype=check_dtype(dtype).name)
+        rng = _rng(seed)
         self.linear1 = Linear(embed_dim, hidden_dim, bias=bias, seed=rng, dtype=dtype)
         self.linear2 = Linear(hidden_dim, embed_dim, bias=bias, seed=rng, dtype=dtype)
         self.dropout = Dropout(dropout, seed=rng)
@@ -222,9 +230,7 @@ class MeanPooling(Layer):
         out = np.einsum("bl,ble->be", w, x)
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             return (w[:, :, None] * g[:, None, :]).astype(x.dtype), None
         return out, backprop
 
@@ -315,7 +321,9 @@ def layer_classes():
 # ========================================================= AttentionPooling
 def _masked_softmax_last(s, mask):
     """softmax over the last axis of s (B, r, L) with mask (B, L) bool (None:
-    all); rows with no allowed position give zeros."""
+    all); rows with no allowed position give zeros (L = 0 too)."""
+    if s.shape[-1] == 0:   # no position: np.max has no identity for an empty axis
+        return np.zeros(s.shape)
     if mask is not None:
         s = np.where(mask[:, None, :], s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
@@ -378,7 +386,8 @@ class AttentionPooling(Layer):
         return u, a, m
 
     def _out(self, m):
-        return m.reshape(m.shape[0], -1) if self._config["flatten"] else m
+        # the sizes spelled out: -1 cannot be inferred when B = 0
+        return m.reshape(m.shape[0], m.shape[1] * m.shape[2]) if self._config["flatten"] else m
 
     def forward(self, x, mask=None, *, return_weights=False):
         """``(B, hops·E)`` (``flatten``) or ``(B, hops, E)``; with ``return_weights``
@@ -409,9 +418,7 @@ class AttentionPooling(Layer):
         p = self._params
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             gm = g.reshape(m.shape).astype(np.float64)
             a64, x64 = a.astype(np.float64), x.astype(np.float64)
             dx = np.matmul(np.swapaxes(a64, 1, 2), gm)                  # through M = A x
@@ -465,22 +472,24 @@ class PositionalEmbedding(Layer):
     def __call__(self, x):
         return self.forward(x)
 
+    def _x(self, x):
+        return as_float_input(x, "x", (2, 3), last=self._config["embed_dim"])
+
     def forward(self, x):
-        x = as_float_input(x, "x", (2, 3), last=self._config["embed_dim"])
+        x = self._x(x)
         return x + self._pe(x.shape[-2])
 
     def forward_backward(self, x):
-        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (the learned
-        table gets the sum over the batch)."""
-        out = self.forward(x)
-        L = out.shape[-2]
+        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (``dx`` a new
+        array in x's dtype; the learned table gets the sum over the batch)."""
+        x = self._x(x)
+        out = x + self._pe(x.shape[-2])
+        L, xdt = out.shape[-2], x.dtype
 
         def backprop(grad_out):
-            g = np.asarray(grad_out)
-            if g.shape != out.shape:
-                raise ValueError(f"grad_out: expected shape {out.shape}, got {g.shape}")
+            g = check_grad_array(grad_out, "grad_out", out.shape)
             if self._config["kind"] == "learned":
-                w = self.grads["weight"]
-                w[:L] += g.reshape(-1, L, g.shape[-1]).sum(axis=0, dtype=np.float64).astype(w.dtype)
-            return (g,)
+                w = self.grads["weight"]   # the sum over the batch (no reshape: B or L may be 0)
+                w[:L] += g.sum(axis=tuple(range(g.ndim - 2)), dtype=np.float64).astype(w.dtype)
+            return (np.array(g, dtype=xdt),)   # a copy: never the caller's grad_out
         return out, backprop

@@ -25,11 +25,15 @@ float); ``is_causal``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from .. import functional as F
-from ._base import Layer, _config_seed, _rng, check_bool, check_dtype, check_int
-from .blocks import Dropout, LayerNorm, _check_p, _torch_sd, chain_backprops
+from .._norm import _check_eps
+from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype,
+                    check_int)
+from .blocks import Dropout, LayerNorm, _check_activation, _check_p, _torch_sd, chain_backprops
 from .multi_head import MultiHeadAttention
 from .rnn import Linear
 
@@ -43,20 +47,25 @@ class TransformerEncoderLayer(Layer):
 
     def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation="relu", *,
                  layer_norm_eps=1e-5, norm_first=False, bias=True, seed=None, dtype=np.float32):
+        # every argument checked here, under its own (torch's) name, before any
+        # sub-layer sees it under another one (MultiHeadAttention's num_heads, eps)
         d_model = check_int(d_model, "d_model")
         nhead = check_int(nhead, "nhead")
+        if d_model % nhead:
+            raise ValueError(f"nhead: expected a divisor of d_model={d_model}, got {nhead}")
         dim_feedforward = check_int(dim_feedforward, "dim_feedforward")
         dropout = _check_p(dropout, "dropout")
-        if activation not in ("relu", "gelu"):
-            raise ValueError(f"activation: expected 'relu' or 'gelu', got {activation!r}")
+        activation = _check_activation(activation)
+        layer_norm_eps = _check_eps(layer_norm_eps, "layer_norm_eps")
         norm_first = check_bool(norm_first, "norm_first")
         bias = check_bool(bias, "bias")
         dt = check_dtype(dtype)
+        config_seed = _config_seed(seed)
         rng = _rng(seed)
         self._config = dict(d_model=d_model, nhead=nhead, dim_feedforward=dim_feedforward,
                             dropout=dropout, activation=activation,
-                            layer_norm_eps=float(layer_norm_eps), norm_first=norm_first,
-                            bias=bias, seed=_config_seed(seed), dtype=dt.name)
+                            layer_norm_eps=layer_norm_eps, norm_first=norm_first,
+                            bias=bias, seed=config_seed, dtype=dt.name)
         self.self_attn = MultiHeadAttention(d_model, nhead, bias=bias, seed=rng, dtype=dt)
         self.linear1 = Linear(d_model, dim_feedforward, bias=bias, seed=rng, dtype=dt)
         self.linear2 = Linear(dim_feedforward, d_model, bias=bias, seed=rng, dtype=dt)
@@ -87,7 +96,8 @@ class TransformerEncoderLayer(Layer):
         """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (masks get none)."""
         fb = (lambda layer, *a, **k: (layer(*a, **k), None)) if _infer else \
             (lambda layer, *a, **k: layer.forward_backward(*a, **k))
-        x = np.asarray(x)
+        # errors name x, not query (MultiHeadAttention's name), as SelfAttention's
+        x = as_float_input(x, "x", (2, 3), last=self._config["d_model"])
         mkw = dict(key_mask=key_mask, attn_mask=attn_mask, is_causal=is_causal)
         pre = self._config["norm_first"]
         # the attention block
@@ -155,23 +165,38 @@ class TransformerEncoderLayer(Layer):
 
 
 class TransformerEncoder(Layer):
-    """``num_layers`` encoder layers built from ``layer``'s config (fresh weights
-    each, seeded from ``seed``) and an optional final ``LayerNorm`` (``norm=True``,
+    """``num_layers`` encoder layers built from ``layer_config`` (a
+    ``TransformerEncoderLayer``, whose config is used, or its ``get_config()``
+    dict; fresh weights each, seeded from ``seed``) and an optional final ``LayerNorm`` (``norm=True``,
     torch's ``norm=LayerNorm(d_model)``); parameter names ``layers.{i}.…`` and
     ``norm.…`` as torch's."""
 
     def __init__(self, layer_config, num_layers, *, norm=False, seed=None):
         if isinstance(layer_config, TransformerEncoderLayer):
             layer_config = layer_config.get_config()
+        elif not isinstance(layer_config, Mapping):
+            r = repr(layer_config)
+            what = f"the class {layer_config.__name__} (not an instance of it)" \
+                if isinstance(layer_config, type) else type(layer_config).__name__ + \
+                (f" {r}" if len(r) <= 40 else "")
+            raise TypeError(f"layer_config: expected a TransformerEncoderLayer or its get_config() "
+                            f"dict, got {what}")
+        try:   # its keys checked under its own name (from_config's messages say 'config')
+            cfg = TransformerEncoderLayer._check_config(layer_config)
+        except (TypeError, ValueError) as exc:
+            msg = str(exc)
+            if not msg.startswith("config: "):
+                raise
+            raise type(exc)("layer_config: " + msg[len("config: "):]) from None
         num_layers = check_int(num_layers, "num_layers")
         norm = check_bool(norm, "norm")
+        config_seed = _config_seed(seed)
         rng = _rng(seed)
-        cfg = dict(layer_config)
         self.layers = [TransformerEncoderLayer.from_config(cfg, seed=rng) for _ in range(num_layers)]
         self.norm = LayerNorm(cfg["d_model"], cfg.get("layer_norm_eps", 1e-5),
                               dtype=cfg.get("dtype", "float32")) if norm else None
         self._config = dict(layer_config=self.layers[0].get_config() if self.layers else cfg,
-                            num_layers=num_layers, norm=norm, seed=_config_seed(seed))
+                            num_layers=num_layers, norm=norm, seed=config_seed)
         self._params = {}
 
     def _children(self):

@@ -972,16 +972,19 @@ def test_row18_elementwise_ops_take_any_rank(shape):
         assert np.shape(fn(x)) == shape
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoderLayer / "
-                                       "TransformerEncoder name x 'query' (MultiHeadAttention's)")
 @pytest.mark.parametrize("name", ["TransformerEncoderLayer", "TransformerEncoder"])
 def test_row18_transformer_errors_name_x(name):
-    with pytest.raises(ValueError, match=r"^x: "):
-        _BLOCKS[name](np.ones(4))
-    with pytest.raises(ValueError, match=r"^x: "):
-        _BLOCKS[name](np.ones((2, 5, 3)))
-    with pytest.raises(TypeError, match=r"^x: "):
-        _BLOCKS[name](np.ones((2, 5, 4), complex))
+    """The transformer blocks name their input x (not MultiHeadAttention's query)."""
+    x1, x3, xc = np.ones(4), np.ones((2, 5, 3)), np.ones((2, 5, 4), complex)
+    for i, (exc, match, call) in enumerate([
+            (ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+             lambda: _BLOCKS[name](x1)),
+            (ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+             lambda: _BLOCKS[name].forward_backward(x1)),
+            (ValueError, r"^x: expected last dim 4, got shape \(2, 5, 3\)$", lambda: _BLOCKS[name](x3)),
+            (TypeError, r"^x: expected real numbers \(float32/float64\), got dtype complex128$",
+             lambda: _BLOCKS[name](xc))]):
+        _run_cases((str(i), exc, match, call), dict(x1=x1, x3=x3, xc=xc))
 
 
 # ---------------------------------------------------------------- row 19: mismatched sizes
@@ -1100,8 +1103,6 @@ def test_row20_bad_dtypes_raise(dtype):
         cases.append((TypeError, r"^targets: expected integer class indices or floating class probabilities, "
                                  rf"got dtype {re.escape(name)}$", lambda: LS.cross_entropy(z, _bad(y, dtype))))
     for n in _BLOCKS:
-        if n.startswith("Transformer"):
-            continue   # they name x 'query': test_row18_transformer_errors_name_x
         want = r"^x: expected a real floating array" if n == "Dropout" else \
             r"^x: expected real numbers \(float32/float64\), got dtype "
         cases.append((TypeError, want, lambda n=n: _BLOCKS[n](bx)))
@@ -1130,7 +1131,17 @@ ROW20 = [
      r"float32$", lambda: O.SGD([("w", _T["w"], np.zeros(4, np.float32))])),
     ("bucket_batches-float-ids", TypeError, r"^seqs\[0\]: expected integer ids, got dtype float64$",
      lambda: T.bucket_batches([[1.5, 2.0]], batch_size=2)),
+] + [
+    (f"{n}-backprop-int-grad_out", TypeError, r"^grad_out: expected a real floating array \(float16, float32 or "
+     r"float64\), got dtype int64$", lambda n=n: _int_grad_backprop(_BLOCKS[n]))
+    for n in _BLOCKS
 ]
+
+
+def _int_grad_backprop(layer):
+    out, backprop = layer.forward_backward(_T["x"])
+    o = out[0] if isinstance(out, tuple) else out
+    return backprop(np.ones(o.shape, np.int64))
 
 
 @pytest.mark.parametrize("case", ROW20, ids=_ids(ROW20))
@@ -1140,20 +1151,21 @@ def test_row20_wrong_dtype_of_masks_grads_and_ids(case):
 
 @pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.int64, np.float16, np.float32])
 def test_row20_promotion(dtype):
-    """bool / integer inputs are computed in float64; float16 in float32 (layer_norm, gelu:
-    a float32 result; relu, dropout and every backward: float16, the input's dtype)."""
+    """bool / integer inputs are computed in float64; float16 in float32 (row 5): gelu,
+    relu, dropout return float16, layer_norm float32 (open: see docs/bad_input.md);
+    every backward its input's dtype."""
     x = (_T["x"] > 0) if dtype == np.bool_ else (_T["x"] * 3).astype(dtype)
     x64 = x.astype(np.float64)
     cd = np.float32 if dtype in (np.float16, np.float32) else np.float64
     gd = dtype if dtype in (np.float16, np.float32) else np.float64
     g = _T["g"].astype(gd)
-    assert F.layer_norm(x).dtype == cd and F.gelu(x).dtype == cd
+    assert F.layer_norm(x).dtype == cd and F.gelu(x).dtype == gd
     assert F.relu(x).dtype == gd and F.dropout(x, 0.5, rng=np.random.default_rng(0))[0].dtype == gd
     assert F.layer_norm_backward(g, x)[0].dtype == gd and F.gelu_backward(g, x).dtype == gd
     assert F.relu_backward(g, x).dtype == gd
     tol = 1e-12 if cd == np.float64 else 1e-5
     np.testing.assert_allclose(F.layer_norm(x), F.layer_norm(x64), rtol=tol, atol=tol)
-    np.testing.assert_allclose(F.gelu(x), F.gelu(x64), rtol=tol, atol=tol)
+    np.testing.assert_allclose(F.gelu(x), F.gelu(x64).astype(gd), rtol=tol, atol=tol)
     z = x[0] if dtype != np.bool_ else x[0]
     for fn in (lambda a: LS.cross_entropy(a, np.array([0, 1, 2, 3, 0]) % 4),
                lambda a: LS.mse(a, np.zeros(a.shape)),
@@ -1197,35 +1209,41 @@ def test_row21_zero_size_losses():
                 r"\(2, 0\)$", lambda: LS.cross_entropy(np.zeros((2, 0)), np.zeros(2, np.int64))))
 
 
-@pytest.mark.parametrize("name", [n for n in _BLOCKS if n != "AttentionPooling"])
+@pytest.mark.parametrize("name", list(_BLOCKS))
 @pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
 def test_row21_blocks_with_zero_batch_or_length(name, shape):
-    if name == "PositionalEmbedding" and shape[1] == 0:
-        pytest.skip("its backprop fails: test_row21_positional_embedding_backprop_with_zero_length")
     x = np.zeros(shape)
+    saved = _snapshot(dict(x=x))
     out, dx = _fb(_BLOCKS[name], x)
+    _assert_unchanged(dict(x=x), saved)
     assert dx.shape == shape
-    want = shape[:1] + shape[2:] if name == "MeanPooling" else shape
+    want = {"MeanPooling": shape[:1] + shape[2:], "AttentionPooling": shape[:1] + (8,)}.get(name, shape)
     assert out.shape == want
-    if name == "MeanPooling":
-        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to average
+    if name in ("MeanPooling", "AttentionPooling"):
+        np.testing.assert_array_equal(out, 0.0)   # L = 0: no position to pool
 
 
-@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): PositionalEmbedding's backprop "
-                                       "reshapes grad_out to (-1, L, E): NumPy's 'cannot reshape array of size 0'")
 def test_row21_positional_embedding_backprop_with_zero_length():
     layer = L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64)
+    layer.zero_grad()
     out, backprop = layer.forward_backward(np.zeros((2, 0, 4)))
     assert backprop(np.zeros(out.shape))[0].shape == (2, 0, 4)
+    np.testing.assert_array_equal(layer.grads["weight"], 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="blocks.py (not editable here): AttentionPooling raises NumPy's "
-                                       "'cannot reshape array of size 0' (B = 0) and 'zero-size array to "
-                                       "reduction operation maximum' (L = 0)")
 @pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4)], ids=["B0", "L0"])
 def test_row21_attention_pooling_with_zero_batch_or_length(shape):
-    out = _BLOCKS["AttentionPooling"](np.zeros(shape))
-    assert out.shape == (shape[0], 8)
+    """Empty outputs; L = 0: zeros (as an all-padding row) and zero weight gradients."""
+    layer = L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64)
+    out, a = layer(np.zeros(shape), return_weights=True)
+    assert out.shape == (shape[0], 8) and a.shape == (shape[0], 2, shape[1])
+    np.testing.assert_array_equal(out, 0.0)
+    (out, P), backprop = layer.forward_backward(np.zeros(shape), penalty=1.0)
+    dx, _ = backprop(np.ones(out.shape))
+    assert dx.shape == shape and out.shape == (shape[0], 8)
+    assert P == (2.0 if shape[0] else 0.0)    # ||A Aᵀ - I||² = hops for an all-zero A
+    for g in layer.grads.values():
+        np.testing.assert_array_equal(g, 0.0)
 
 
 ROW21 = [
@@ -1299,7 +1317,7 @@ def test_row22_read_only_parameters_refused_at_step():
 
 
 # ---------------------------------------------------------------- row 23: NaN / inf
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy's, on inf - inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # losses.py's, on inf - inf
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 def test_row23_nonfinite_stays_in_its_row(bad):
     x = _T["x"].copy()
@@ -1329,13 +1347,17 @@ def test_row23_nonfinite_stays_in_its_row(bad):
         assert np.all(np.isfinite(out[1])) and not np.all(np.isfinite(out[0])), n
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")   # NaN / inf propagate without NumPy's warnings
 def test_row23_nonfinite_elementwise_values():
     """gelu(-inf) and its gradient at +-inf are nan (torch's too); relu passes the gradient at NaN (torch's threshold_backward)."""
     x = np.array([np.nan, np.inf, -np.inf, 0.0])
-    with np.errstate(invalid="ignore"):
-        np.testing.assert_array_equal(F.gelu(x), [np.nan, np.inf, np.nan, 0.0])
-        np.testing.assert_array_equal(F.relu(x), [np.nan, np.inf, 0.0, 0.0])
-        np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [1.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(F.gelu(x), [np.nan, np.inf, np.nan, 0.0])
+    np.testing.assert_array_equal(F.relu(x), [np.nan, np.inf, 0.0, 0.0])
+    np.testing.assert_array_equal(F.relu_backward(np.ones(4), x), [1.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(F.gelu_backward(np.ones(4), x)[:3], [np.nan] * 3)
+    # layer_norm: the row with inf is NaN, the others finite
+    y = F.layer_norm(np.stack([x[1:3], [1.0, 2.0]]), np.ones(2), np.ones(2))
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
 
 
 def test_row23_nonfinite_gradients_in_clip_grad_norm():
@@ -1373,6 +1395,8 @@ ROW24 = [
      lambda: LS.cross_entropy(_T["z"], _T["t"], ignore_index=1.5)),
     ("LayerNorm-normalized_shape", TypeError, r"^normalized_shape: expected an int >= 1, got tuple \(4,\)$",
      lambda: L.LayerNorm((4,))),
+    ("LayerNorm-eps", ValueError, r"^eps: expected a finite number >= 0, got inf$", lambda: L.LayerNorm(4, math.inf)),
+    ("LayerNorm-eps-type", TypeError, r"^eps: expected a real number, got str$", lambda: L.LayerNorm(4, "a")),
     ("Dropout-p", ValueError, r"^p: expected a probability in \[0, 1\), got 1.0$", lambda: L.Dropout(1.0)),
     ("FeedForward-activation", ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$",
      lambda: L.FeedForward(4, 8, activation="tanh")),
@@ -1431,20 +1455,25 @@ def test_row24_bad_options_and_hyperparameters(case):
     _run_cases(case)
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): layer_norm_eps='a' raises float()'s "
-                                       "'could not convert string to float'; -1 is reported as 'eps'")
-def test_row24_transformer_layer_norm_eps():
-    with pytest.raises(TypeError, match=r"^layer_norm_eps: "):
-        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps="a")
-    with pytest.raises(ValueError, match=r"^layer_norm_eps: "):
-        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=-1)
+@pytest.mark.parametrize("bad,exc,match", [
+    ("a", TypeError, r"^layer_norm_eps: expected a real number, got str$"),
+    (True, TypeError, r"^layer_norm_eps: expected a real number, got bool$"),
+    (-1, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got -1.0$"),
+    (math.inf, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got inf$"),
+    (math.nan, ValueError, r"^layer_norm_eps: expected a finite number >= 0, got nan$"),
+], ids=["str", "bool", "negative", "inf", "nan"])
+def test_row24_transformer_layer_norm_eps(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        L.TransformerEncoderLayer(4, 2, 8, layer_norm_eps=bad)
 
 
-@pytest.mark.xfail(strict=True, reason="transformer.py (not editable here): TransformerEncoder(None / 'abc', n) "
-                                       "raises dict()'s TypeError / ValueError")
-@pytest.mark.parametrize("config", [None, "abc", 3])
-def test_row24_transformer_encoder_layer_config(config):
-    with pytest.raises(TypeError, match=r"^layer_config: "):
+@pytest.mark.parametrize("config,got", [(None, "NoneType None"), ("abc", "str 'abc'"), (3, "int 3"),
+                                        (L.TransformerEncoderLayer, r"the class TransformerEncoderLayer "
+                                                                    r"\(not an instance of it\)")],
+                         ids=["None", "abc", "3", "class"])
+def test_row24_transformer_encoder_layer_config(config, got):
+    with pytest.raises(TypeError, match=r"^layer_config: expected a TransformerEncoderLayer or its "
+                                        rf"get_config\(\) dict, got {got}$"):
         L.TransformerEncoder(config, 1)
 
 

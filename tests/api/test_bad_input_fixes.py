@@ -5,6 +5,7 @@ tests/api/test_bad_input.py.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -262,3 +263,256 @@ def test_multi_head_attention_backward_with_zero_batch_or_length(shape):
     enc = L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0, dtype=np.float64)
     out, backprop = enc.forward_backward(x)
     assert backprop(np.zeros(out.shape))[0].shape == shape
+
+
+def _raises(exc, match, call, *inputs):
+    """``call()`` raises ``exc`` matching ``match`` (from the start); ``inputs`` unchanged."""
+    assert match.startswith("^"), match
+    saved = [np.array(a, copy=True) for a in inputs]
+    with pytest.raises(exc, match=match):
+        call()
+    for a, s in zip(inputs, saved):
+        np.testing.assert_array_equal(a, s)
+
+
+# -------------------------------------------------- the transformer blocks' names
+
+@pytest.mark.parametrize("make", [
+    lambda: L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0),
+    lambda: L.TransformerEncoder(L.TransformerEncoderLayer(4, 2, 6, dropout=0.0, seed=0), 2, norm=True)],
+    ids=["layer", "encoder"])
+def test_transformer_errors_name_x(make):
+    """TransformerEncoderLayer / TransformerEncoder passed x on unchecked: a bad x was
+    reported by MultiHeadAttention as 'query'."""
+    layer = make()
+    x0, x1, x5, xc = np.float64(1.0), np.ones(4), np.ones((2, 3, 5)), np.ones((2, 3, 4), complex)
+    _raises(ValueError, r"^x: expected a 2-d or 3-d array, got 0-d array of shape \(\)$", lambda: layer(x0))
+    _raises(ValueError, r"^x: expected a 2-d or 3-d array, got 1-d array of shape \(4,\)$",
+            lambda: layer.forward_backward(x1), x1)
+    _raises(ValueError, r"^x: expected last dim 4, got shape \(2, 3, 5\)$", lambda: layer(x5), x5)
+    _raises(TypeError, r"^x: expected real numbers \(float32/float64\), got dtype complex128$",
+            lambda: layer.forward_backward(xc), xc)
+    _raises(TypeError, r"^x: expected an array of real numbers, got list", lambda: layer([[1.0] * 4, [1.0]]))
+    assert layer(np.ones((3, 4))).shape == (3, 4)       # unbatched (L, E), as torch
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(d_model=4, nhead=3), ValueError, r"^nhead: expected a divisor of d_model=4, got 3$"),
+    (dict(d_model=0, nhead=1), ValueError, r"^d_model: expected an int >= 1, got 0$"),
+    (dict(d_model=4.0, nhead=2), TypeError, r"^d_model: expected an int >= 1, got float 4.0$"),
+    (dict(d_model=4, nhead=0), ValueError, r"^nhead: expected an int >= 1, got 0$"),
+    (dict(d_model=4, nhead=2, dim_feedforward="8"), TypeError, r"^dim_feedforward: expected an int >= 1, "
+                                                                r"got str '8'$"),
+    (dict(d_model=4, nhead=2, dropout="0.1"), TypeError, r"^dropout: expected a probability \(a real number\), "
+                                                         r"got str '0.1'$"),
+    (dict(d_model=4, nhead=2, dropout=-0.1), ValueError, r"^dropout: expected a probability in \[0, 1\), got -0.1$"),
+    (dict(d_model=4, nhead=2, activation="tanh"), ValueError, r"^activation: expected 'relu' or 'gelu', got 'tanh'$"),
+    (dict(d_model=4, nhead=2, activation=None), TypeError, r"^activation: expected 'relu' or 'gelu', got NoneType None$"),
+    (dict(d_model=4, nhead=2, activation=np.array(["relu", "gelu"])), TypeError,
+     r"^activation: expected 'relu' or 'gelu', got ndarray"),
+    (dict(d_model=4, nhead=2, layer_norm_eps="a"), TypeError, r"^layer_norm_eps: expected a real number, got str$"),
+    (dict(d_model=4, nhead=2, layer_norm_eps=-1), ValueError, r"^layer_norm_eps: expected a finite number >= 0, "
+                                                              r"got -1.0$"),
+    (dict(d_model=4, nhead=2, norm_first=1), TypeError, r"^norm_first: expected a bool, got int 1$"),
+    (dict(d_model=4, nhead=2, bias="yes"), TypeError, r"^bias: expected a bool, got str 'yes'$"),
+    (dict(d_model=4, nhead=2, dtype=np.float16), TypeError, r"^dtype: expected float32 or float64, got float16$"),
+    (dict(d_model=4, nhead=2, seed="abc"), TypeError, r"^seed: expected None, an int or a np.random.Generator, "
+                                                      r"got str$"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_transformer_encoder_layer_constructor_names_its_arguments(kwargs, exc, match):
+    """layer_norm_eps='a' raised float()'s bare message and -1 was reported as 'eps'
+    (LayerNorm's name); TransformerEncoderLayer(4, 3) as 'num_heads: expected a
+    divisor of embed_dim' (MultiHeadAttention's names); seed='abc' as NumPy's."""
+    _raises(exc, match, lambda: L.TransformerEncoderLayer(**kwargs))
+    if len(kwargs) > 2 and "seed" not in kwargs:   # from a config dict: the same messages (its seed
+        # is replaced by the encoder's)
+        _raises(exc, match, lambda: L.TransformerEncoder(kwargs, 1))
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    (None, TypeError, r"^layer_config: expected a TransformerEncoderLayer or its get_config\(\) dict, "
+                      r"got NoneType None$"),
+    ("abc", TypeError, r"^layer_config: expected a TransformerEncoderLayer or its get_config\(\) dict, "
+                       r"got str 'abc'$"),
+    ([("d_model", 4), ("nhead", 2)], TypeError, r"^layer_config: expected a TransformerEncoderLayer or its "
+                                                r"get_config\(\) dict, got list"),
+    ({"d_model": 4}, ValueError, r"^layer_config: missing required key 'nhead'$"),
+    ({"d_model": 4, "nhead": 2, "heads": 2}, ValueError, r"^layer_config: unknown keys \['heads'\]; expected some of"),
+    ({"d_model": 4, "nhead": 3}, ValueError, r"^nhead: expected a divisor of d_model=4, got 3$"),
+], ids=["None", "str", "list", "missing", "unknown", "nhead"])
+def test_transformer_encoder_layer_config(config, exc, match):
+    """TransformerEncoder(None / 'abc', n) raised dict()'s bare TypeError / ValueError."""
+    _raises(exc, match, lambda: L.TransformerEncoder(config, 2))
+    enc = L.TransformerEncoder({"d_model": 4, "nhead": 2, "dim_feedforward": 6}, 2, seed=0)
+    assert enc.get_config()["layer_config"]["dim_feedforward"] == 6
+
+
+# -------------------------------------------------- blocks: empty sizes, grad_out
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (2, 0, 4), (0, 0, 4)], ids=["B0", "L0", "B0-L0"])
+@pytest.mark.parametrize("flatten", [True, False])
+def test_attention_pooling_with_zero_batch_or_length(shape, flatten):
+    """B = 0 raised NumPy's 'cannot reshape array of size 0' (reshape(B, -1)),
+    L = 0 'zero-size array to reduction operation maximum' (the softmax's max)."""
+    layer = L.AttentionPooling(4, 3, hops=2, flatten=flatten, seed=0)
+    x = np.zeros(shape, np.float32)
+    mask = np.zeros(shape[:2], bool)
+    want = (shape[0], 8) if flatten else (shape[0], 2, 4)
+    for m in (None, mask):
+        out, a = layer(x, m, return_weights=True)
+        assert out.shape == want and out.dtype == np.float32 and a.shape == (shape[0], 2, shape[1])
+        np.testing.assert_array_equal(out, 0.0)
+        layer.zero_grad()
+        (out, _), backprop = layer.forward_backward(x, m, penalty=0.5)
+        dx, none = backprop(np.ones(want, np.float32))
+        assert dx.shape == shape and dx.dtype == np.float32 and none is None
+        for g in layer.grads.values():
+            np.testing.assert_array_equal(g, 0.0)
+    np.testing.assert_array_equal(x, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("shape", [(2, 0, 4), (0, 3, 4), (0, 4)], ids=["L0", "B0", "unbatched-L0"])
+def test_positional_embedding_backprop_with_zero_length(kind, shape):
+    """grad_out.reshape(-1, L, E) cannot infer -1 from 0 elements."""
+    layer = L.PositionalEmbedding(8, 4, kind=kind, seed=0, dtype=np.float64)
+    layer.zero_grad()
+    out, backprop = layer.forward_backward(np.zeros(shape))
+    assert out.shape == shape
+    (dx,) = backprop(np.zeros(shape))
+    assert dx.shape == shape
+    for g in layer.grads.values():
+        np.testing.assert_array_equal(g, 0.0)
+
+
+_POOL_AND_PE = {
+    "PositionalEmbedding": lambda: L.PositionalEmbedding(8, 4, seed=0, dtype=np.float64),
+    "MeanPooling": lambda: L.MeanPooling(),
+    "AttentionPooling": lambda: L.AttentionPooling(4, 3, hops=2, seed=0, dtype=np.float64),
+}
+
+
+@pytest.mark.parametrize("name", list(_POOL_AND_PE))
+def test_block_backprops_check_grad_out_and_never_return_it(name):
+    """The backprops of PositionalEmbedding, MeanPooling and AttentionPooling took an
+    integer grad_out (PositionalEmbedding then returned an int64 dx: the caller's
+    grad_out array itself)."""
+    layer = _POOL_AND_PE[name]()
+    x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    out, backprop = layer.forward_backward(x)
+    o = out[0] if isinstance(out, tuple) else out
+    gi, gb, gc = np.ones(o.shape, np.int64), np.ones(o.shape, bool), np.ones(o.shape, complex)
+    for bad, dt in ((gi, "int64"), (gb, "bool"), (gc, "complex128")):
+        _raises(TypeError, rf"^grad_out: expected a real floating array \(float16, float32 or float64\), "
+                           rf"got dtype {dt}$", lambda: backprop(bad), bad, x)
+    _raises(ValueError, rf"^grad_out: expected shape {re.escape(str(o.shape))}, got \(3, 3\)$",
+            lambda: backprop(np.ones((3, 3))))
+    for dt in (np.float16, np.float32, np.float64):
+        g = np.ones(o.shape, dt)
+        g0 = g.copy()
+        dx = backprop(g)[0]
+        assert dx is not g and not np.shares_memory(dx, g)
+        assert dx.dtype == np.float64 and dx.shape == x.shape     # x's dtype
+        np.testing.assert_array_equal(g, g0)
+        dx[...] = 7.0                                             # writing dx leaves grad_out alone
+        np.testing.assert_array_equal(g, g0)
+
+
+@pytest.mark.parametrize("eps,exc,match", [
+    (math.inf, ValueError, r"^eps: expected a finite number >= 0, got inf$"),
+    (math.nan, ValueError, r"^eps: expected a finite number >= 0, got nan$"),
+    (-1, ValueError, r"^eps: expected a finite number >= 0, got -1.0$"),
+    ("a", TypeError, r"^eps: expected a real number, got str$"),
+    (None, TypeError, r"^eps: expected a real number, got NoneType$"),
+    (True, TypeError, r"^eps: expected a real number, got bool$"),
+], ids=["inf", "nan", "negative", "str", "None", "bool"])
+def test_layer_norm_layer_checks_eps_at_construction(eps, exc, match):
+    """LayerNorm(4, inf) was accepted and failed on the first call (functional.layer_norm's
+    check); eps='a' raised ValueError instead of TypeError."""
+    _raises(exc, match, lambda: L.LayerNorm(4, eps))
+    assert L.LayerNorm(4, np.float32(0.5)).get_config()["eps"] == 0.5
+    assert L.LayerNorm(4, np.int64(0)).get_config()["eps"] == 0.0
+
+
+# -------------------------------------------------- norm / act: 0-d, dtypes, warnings
+
+def _zero_d_calls(x):
+    g = np.ones((), x.dtype if x.dtype.kind == "f" else np.float64)
+    return {
+        "gelu": lambda: F.gelu(x), "gelu-tanh": lambda: F.gelu(x, approximate="tanh"),
+        "relu": lambda: F.relu(x), "dropout": lambda: F.dropout(x, 0.5, rng=np.random.default_rng(0))[0],
+        "gelu_backward": lambda: F.gelu_backward(g, x), "relu_backward": lambda: F.relu_backward(g, x),
+        "dropout_backward": lambda: F.dropout_backward(g, np.array(True), 0.5),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64, np.bool_])
+def test_elementwise_ops_return_0d_arrays_for_0d_input(dtype):
+    """gelu, relu, dropout (float16) and their backwards returned NumPy scalars for a
+    0-d input (a ufunc on 0-d arrays returns a scalar)."""
+    x = np.array(1.5).astype(dtype)
+    x0 = x.copy()
+    for name, call in _zero_d_calls(x).items():
+        y = call()
+        assert type(y) is np.ndarray and y.shape == (), (name, type(y))
+        assert y.dtype == (x.dtype if x.dtype.kind == "f" else np.float64), name
+    np.testing.assert_array_equal(x, x0)
+
+
+@pytest.mark.parametrize("xdt", [np.float16, np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("gdt", [np.float16, np.float32, np.float64])
+def test_relu_backward_dtype_follows_x_as_gelu_backward(xdt, gdt):
+    """relu_backward returned grad_out's dtype (a float16 gradient of a float64 x);
+    gelu_backward returns x's (float64 for integer x)."""
+    x = np.array([[-1, 2, 0], [3, -4, 5]], dtype=xdt)
+    g = np.arange(6, dtype=gdt).reshape(2, 3)
+    x0, g0 = x.copy(), g.copy()
+    want = np.dtype(xdt) if np.dtype(xdt).kind == "f" else np.dtype(np.float64)
+    got = F.relu_backward(g, x)
+    assert got.dtype == want == F.gelu_backward(g, x).dtype
+    np.testing.assert_array_equal(got, np.where(x <= 0, 0, g).astype(want))
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(g, g0)
+
+
+def test_gelu_float16_follows_the_float16_rule():
+    """gelu returned float32 for float16 input, where relu and dropout return float16
+    (docs/bad_input.md row 5: computed in float32 or wider, float16 when every argument is)."""
+    x = np.linspace(-4, 4, 17).astype(np.float16)
+    x0 = x.copy()
+    for approximate in ("none", "tanh"):
+        y = F.gelu(x, approximate=approximate)
+        assert y.dtype == np.float16
+        np.testing.assert_array_equal(y, F.gelu(x.astype(np.float64), approximate=approximate)
+                                      .astype(np.float16))   # rounded once
+        assert F.gelu_backward(np.ones(17, np.float16), x, approximate=approximate).dtype == np.float16
+    assert F.relu(x).dtype == F.dropout(x, 0.5, rng=np.random.default_rng(0))[0].dtype == np.float16
+    assert F.gelu(x.astype(np.float32)).dtype == np.float32 and F.gelu(x.astype(np.int8)).dtype == np.float64
+    np.testing.assert_array_equal(x, x0)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("case", ["E0", "inf-x", "inf-grad", "float16-overflow"])
+def test_layer_norm_and_gelu_emit_no_runtime_warnings(case):
+    """NaN / inf (and E = 0) propagate as documented without NumPy's RuntimeWarnings."""
+    if case == "E0":
+        x, g, w = np.zeros((2, 0)), np.zeros((2, 0)), np.ones(0)
+    elif case == "inf-x":
+        x = np.array([[np.inf, 1.0, 2.0], [-np.inf, np.inf, 0.0], [1.0, 2.0, 4.0]])
+        g, w = np.ones((3, 3)), np.ones(3)
+    elif case == "inf-grad":
+        x = np.arange(12.0).reshape(4, 3)
+        g, w = np.ones((4, 3)), np.ones(3)
+        g[0, 0], g[3, 0] = np.inf, -np.inf      # inf - inf in dbias's sum
+    else:
+        x = np.array([[1, 2, 3], [4, 5, 6]], np.float16)
+        g, w = np.full((2, 3), 6e4, np.float16), np.full(3, 6e4, np.float16)
+    saved = [a.copy() for a in (x, g, w)]
+    y = F.layer_norm(x, w, w)
+    dx, dw, db = F.layer_norm_backward(g, x, w, w)
+    assert y.shape == dx.shape == x.shape and dw.shape == db.shape == w.shape
+    if case == "inf-x":
+        assert np.isnan(y[:2]).all() and np.isfinite(y[2]).all()
+    F.gelu(x), F.gelu_backward(g, x), F.gelu(x, approximate="tanh"), F.gelu_backward(g, x, approximate="tanh")
+    for a, s in zip((x, g, w), saved):
+        np.testing.assert_array_equal(a, s)

@@ -5,7 +5,8 @@ the normal CDF ``ndtr`` and the tanh form as ``x sigmoid(2u)``).
 
 float64 inputs to the float64 tolerance of tests/support.py (1e-12); float32
 inputs -- the oracle fed the same float32 values upcast -- to the float32
-one.  Shapes: E = 1, 3, 8, leading dims (), (2, 3) and zero rows; weight and
+one; float16 inputs (the elementwise ops and layer_norm's backward) to the
+float16 one, their results float16 (docs/bad_input.md row 5).  Shapes: E = 1, 3, 8, leading dims (), (2, 3) and zero rows; weight and
 bias present or None.  Every call gets read-only inputs and checks them
 unchanged afterwards.  The oracle itself is checked once against central
 differences, and ``test_the_comparison_catches_wrong_formulas`` shows that
@@ -22,6 +23,9 @@ from fastattn import functional as F
 from support import assert_central_differences, assert_close, randn
 
 DTYPES = [np.float64, np.float32]
+#: the elementwise ops also take float16 (computed in float32 or wider, returned as
+#: float16: docs/bad_input.md row 5), to the float16 tolerance of tests/support.py
+ACT_DTYPES = DTYPES + [np.float16]
 SHAPES = [(1,), (3,), (8,), (2, 3, 1), (2, 3, 3), (2, 3, 8), (0, 3), (2, 0, 8)]
 AFFINE = [(True, True), (True, False), (False, True), (False, False)]
 
@@ -69,7 +73,7 @@ def test_layer_norm_matches_oracle(dtype, shape, affine, bias, rng):
 
 @pytest.mark.parametrize("affine,bias", AFFINE)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ACT_DTYPES)   # float16 too: each gradient in its input's dtype
 def test_layer_norm_backward_matches_oracle(dtype, shape, affine, bias, rng):
     (x, w, b, g), saved = _frozen(*_ln_inputs(rng, shape, dtype, affine, bias))
     dx, dw, db = F.layer_norm_backward(g, x, w, b, eps=1e-5)
@@ -134,14 +138,14 @@ def _act_input(rng, shape, dtype):
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("shape", ACT_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
 def test_gelu_and_backward_match_oracle(dtype, shape, approximate, rng):
     (x, g), saved = _frozen(_act_input(rng, shape, dtype), randn(rng, shape, dtype))
     y = F.gelu(x, approximate=approximate)
-    assert y.dtype == dtype and y.shape == x.shape
+    assert type(y) is np.ndarray and y.dtype == dtype and y.shape == x.shape   # 0-d: an array
     assert_close(y, R.gelu(x, approximate), dtype)
     dx = F.gelu_backward(g, x, approximate=approximate)
-    assert dx.dtype == dtype and dx.shape == x.shape
+    assert type(dx) is np.ndarray and dx.dtype == dtype and dx.shape == x.shape
     assert_close(dx, R.gelu_backward(g, x, approximate), dtype)
     _assert_unchanged((x, g), saved)
 
@@ -161,14 +165,14 @@ def test_gelu_modes_differ():
 
 
 @pytest.mark.parametrize("shape", ACT_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
 def test_relu_and_backward_match_oracle(dtype, shape, rng):
     (x, g), saved = _frozen(_act_input(rng, shape, dtype), randn(rng, shape, dtype))
     y = F.relu(x)
-    assert y.dtype == dtype and y.shape == x.shape
+    assert type(y) is np.ndarray and y.dtype == dtype and y.shape == x.shape   # 0-d: an array
     np.testing.assert_array_equal(y, R.relu(x))          # exact: a selection, no rounding
     dx = F.relu_backward(g, x)
-    assert dx.dtype == dtype and dx.shape == x.shape
+    assert type(dx) is np.ndarray and dx.dtype == dtype and dx.shape == x.shape
     np.testing.assert_array_equal(dx, R.relu_backward(g, x))
     _assert_unchanged((x, g), saved)
 
@@ -186,16 +190,17 @@ def test_relu_at_zero_and_nan():
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.9])
 @pytest.mark.parametrize("shape", ACT_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
 def test_dropout_backward_matches_oracle(dtype, shape, p, rng):
     x = randn(rng, shape, dtype)
     out, keep = F.dropout(x, p, rng=np.random.default_rng(5))
+    assert type(out) is np.ndarray and out.dtype == dtype and out.shape == x.shape
     assert keep.dtype == np.bool_ and keep.shape == x.shape
     # the forward with the same mask is the backward's own formula applied to x
     assert_close(out, R.dropout_backward(x, keep, p), dtype, err_msg="dropout forward")
     (g, keep), saved = _frozen(randn(rng, shape, dtype), keep)
     dx = F.dropout_backward(g, keep, p)
-    assert dx.dtype == dtype and dx.shape == x.shape
+    assert type(dx) is np.ndarray and dx.dtype == dtype and dx.shape == x.shape
     assert_close(dx, R.dropout_backward(g, keep, p), dtype)
     assert np.all(dx[~keep] == 0)
     _assert_unchanged((g, keep), saved)
