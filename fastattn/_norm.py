@@ -130,7 +130,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, n_threads=None):
         _rowwise.layer_norm(_rows(x, cdt), None if w is None else np.ascontiguousarray(w, cdt),
                             None if b is None else np.ascontiguousarray(b, cdt), eps,
                             y.reshape(-1, x.shape[-1]), nt)
-    return y
+    with np.errstate(over="ignore"):   # float16: a value beyond its range is inf, as a cast
+        return y.astype(_result_dtype(x, w, b), copy=False)
 
 
 def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5, *, n_threads=None):
