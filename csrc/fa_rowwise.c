@@ -174,6 +174,21 @@ void fa_relu_bwd_##SFX(int64_t n, const T *g, const T *x, T *out)               
 DROPOUT_DEFINE(f32, float)
 DROPOUT_DEFINE(f64, double)
 
+/* ------------------------------------------------------------ column sums */
+
+#define COLSUM_DEFINE(SFX, T)                                                        \
+void fa_colsum_##SFX(int64_t rows, int64_t n, const T *x, int64_t ldx, double *acc)  \
+{                                                                                    \
+    for (int64_t r = 0; r < rows; r++) {                                             \
+        const T *xr = x + r * ldx;                                                   \
+        for (int64_t j = 0; j < n; j++)                                              \
+            acc[j] += (double)xr[j];                                                 \
+    }                                                                                \
+}
+
+COLSUM_DEFINE(f32, float)
+COLSUM_DEFINE(f64, double)
+
 /* ------------------------------------------------------------ Adam */
 
 #define ADAM_DEFINE(SFX, T, SQRT)                                                    \

@@ -60,6 +60,11 @@ void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double s
 void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out);
 void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
 
+/* acc[j] += sum over rows r of x[r * ldx + j], j < n, rows in order, in double
+ * (a bias gradient: the column sums of grad_out). */
+void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc);
+void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc);
+
 /* One Adam / AdamW step (torch.optim's math, the operations of
  * fastattn/optim.py's NumPy form in the same order, each rounded to T) on
  * elements [0, n) of a parameter p, its gradient g and its moments m, v (and

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _proj, _threads
+from . import _proj, _rowwise, _threads
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
 
@@ -253,6 +253,26 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     if b is not None:
         if ga is None:
             ga = g2.astype(cdt, copy=False)
-        db = np.add.reduce(ga, axis=1 if gt else 0, dtype=np.float64)
+        db = _column_sums(ga.T if gt else ga, nt)
         db = db.astype(grad_dtype(b, cdt), copy=False)
     return dx, dw, db
+
+
+_rowwise_ready = False
+
+
+def _column_sums(a, n_threads):
+    """``a (rows, N)``'s column sums in float64: fixed chunks of rows summed in
+    C (fastattn._rowwise, row order), the chunks added in order -- the same bits
+    for any thread count.  Rows that are not BLAS-style (a transposed view) sum
+    in NumPy."""
+    rows, n = a.shape
+    if not rows or not n or a.dtype not in (np.float32, np.float64) or \
+            (n > 1 and a.strides[1] != a.itemsize) or (rows > 1 and a.strides[0] < n * a.itemsize):
+        return np.add.reduce(a, axis=0, dtype=np.float64)
+    global _rowwise_ready
+    if not _rowwise_ready:
+        _rowwise_ready = _threads.install_runtime(_rowwise.set_runtime, simd=False)
+    parts = np.zeros((_rowwise.ln_chunks(rows, n), n))
+    _rowwise.colsum(a, parts, n_threads)
+    return np.add.reduce(parts, axis=0)

@@ -43,6 +43,8 @@ cdef extern from "fa_rowwise.h" nogil:
                            double *out)
     void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out)
     void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
+    void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc)
+    void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc)
     ctypedef struct fa_adam_hyper:
         double lr, b1, b2, eps, wd, step_size, bc2_sqrt
         int decoupled, maximize
@@ -316,3 +318,31 @@ def adam(cnp.ndarray p, cnp.ndarray g, cnp.ndarray m, cnp.ndarray v, object vmax
         else:
             for t in range(ntasks):
                 _adam_task(&c, t, 0)
+
+
+cdef void _colsum_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef ln_ctx *c = <ln_ctx *>vctx
+    cdef int64_t r0 = t * c.chunk
+    cdef int64_t n = c.rows - r0
+    if n > c.chunk:
+        n = c.chunk
+    if c.f64:
+        fa_colsum_f64(n, c.E, <double *>c.x + r0 * c.ldx, c.ldx, c.parts + t * c.E)
+    else:
+        fa_colsum_f32(n, c.E, <float *>c.x + r0 * c.ldx, c.ldx, c.parts + t * c.E)
+
+
+def colsum(cnp.ndarray x, cnp.ndarray parts, int n_threads):
+    """parts[t] += the column sums of chunk t's rows of x (rows, N) (ln_chunks(rows, N)
+    chunks of ln_chunk_rows rows); parts (chunks, N) float64."""
+    cdef ln_ctx c
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
+    if c.rows == 0 or c.E == 0:
+        return
+    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.x = _ptr(x)
+    c.ldx = _ld(x)
+    c.parts = <double *>_ptr(parts)
+    with nogil:
+        _run(&c, _colsum_task, n_threads)
