@@ -37,7 +37,7 @@ import numpy as np
 from scipy import special
 
 from . import _rowwise, _threads
-from ._validation import as_array, check_grad_array, describe
+from ._validation import as_array, check_eps as _check_eps, check_grad_array, describe
 
 __all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
            "relu_backward", "dropout", "dropout_backward"]
@@ -93,18 +93,6 @@ def _grad_dtype(x):
     """A gradient's dtype: its input's when that is a float dtype, else float64
     (bool and integer inputs are computed in float64)."""
     return x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
-
-
-def _check_eps(eps, name="eps"):
-    """``eps`` as a float: a real number (not a bool), finite and >= 0
-    (also ``layers.LayerNorm``'s and ``TransformerEncoderLayer``'s, whose
-    ``layer_norm_eps`` it names)."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a real number, got {describe(eps)}")
-    eps = float(eps)
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
-    return eps
 
 
 def _ln_args(x, weight, bias, eps):

@@ -6,6 +6,7 @@ what these helpers return.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -202,3 +203,15 @@ def check_int(value, name, minimum=1, *, what=None):
     if n < minimum:
         raise ValueError(f"{name}: expected {what}, got {n}")
     return n
+
+
+def check_eps(eps, name="eps"):
+    """``eps`` as a float: a real number (not a bool), finite and >= 0
+    (functional.layer_norm's, ``layers.LayerNorm``'s and
+    ``TransformerEncoderLayer``'s, whose ``layer_norm_eps`` it names)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a real number, got {describe(eps)}")
+    eps = float(eps)
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
+    return eps

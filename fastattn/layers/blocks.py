@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .._norm import _check_eps
-from .._validation import check_grad_array
+from .._validation import check_eps as _check_eps, check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
 

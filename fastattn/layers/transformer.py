@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import functional as F
-from .._norm import _check_eps
+from .._validation import check_eps as _check_eps
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype,
                     check_int)
 from .blocks import Dropout, LayerNorm, _check_activation, _check_p, _torch_sd, chain_backprops
