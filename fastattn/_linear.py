@@ -258,9 +258,6 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     return dx, dw, db
 
 
-_rowwise_ready = False
-
-
 def _column_sums(a, n_threads):
     """``a (rows, N)``'s column sums in float64: fixed chunks of rows summed in
     C (fastattn._rowwise, row order), the chunks added in order -- the same bits
@@ -270,9 +267,7 @@ def _column_sums(a, n_threads):
     if not rows or not n or a.dtype not in (np.float32, np.float64) or \
             (n > 1 and a.strides[1] != a.itemsize) or (rows > 1 and a.strides[0] < n * a.itemsize):
         return np.add.reduce(a, axis=0, dtype=np.float64)
-    global _rowwise_ready
-    if not _rowwise_ready:
-        _rowwise_ready = _threads.install_runtime(_rowwise.set_runtime, simd=False)
+    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
     parts = np.zeros((_rowwise.ln_chunks(rows, n), n))
     _rowwise.colsum(a, parts, n_threads)
     return np.add.reduce(parts, axis=0)

@@ -42,17 +42,10 @@ from ._validation import as_array, check_eps as _check_eps, check_grad_array, de
 __all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
            "relu_backward", "dropout", "dropout_backward"]
 
-_runtime_ready = False
-
-
 def _kernel_threads(n_threads):
     """The thread count for fastattn._rowwise, its pool installed once."""
-    global _runtime_ready
-    nt = _threads.resolve(n_threads)
-    if not _runtime_ready:
-        _threads.install_runtime(_rowwise.set_runtime, simd=False)
-        _runtime_ready = True
-    return nt
+    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
+    return _threads.resolve(n_threads)
 
 
 def _rows(a, dt):

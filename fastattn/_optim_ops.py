@@ -12,16 +12,10 @@ from . import _rowwise, _threads
 
 __all__ = ["adam_update"]
 
-_runtime_ready = False
-
-
 def _kernel_threads(n_threads):
-    global _runtime_ready
-    nt = _threads.resolve(n_threads)
-    if not _runtime_ready:
-        _threads.install_runtime(_rowwise.set_runtime, simd=False)
-        _runtime_ready = True
-    return nt
+    """The thread count for fastattn._rowwise, its pool installed once."""
+    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
+    return _threads.resolve(n_threads)
 
 
 def _kernel_ok(arrays):

@@ -202,3 +202,17 @@ def kernel_runtime_addresses(simd=True):
         return [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
     except (OSError, AttributeError):  # pragma: no cover - depends on the platform's loader
         return None
+
+
+_installed = set()
+
+
+def install_runtime_once(set_runtime, *, simd=True) -> bool:
+    """:func:`install_runtime` the first time a module's ``set_runtime`` is
+    seen in this process (the row-wise kernels' callers: one check per call)."""
+    if set_runtime in _installed:
+        return True
+    ok = install_runtime(set_runtime, simd=simd)
+    if ok:
+        _installed.add(set_runtime)
+    return ok
