@@ -66,13 +66,16 @@ print(json.dumps(dict(before_kb=before, hwm_kb=hwm, reset_ok=ok)))
 
 
 def run(case, impl, threads):
+    import fastattn   # the child imports the same fastattn as this process (installed or in place)
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env["PYTHONPATH"] = parent + os.pathsep + env.get("PYTHONPATH", "")
     if threads:   # fastattn's default and the benchmarks' torch.set_num_threads follow it
         env["OMP_NUM_THREADS"] = str(threads)
     code = CHILD.format(here=HERE, case=case, impl=impl)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    # cwd: benchmarks/, so that "-c" does not put a source checkout first on the path
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=HERE, capture_output=True,
+                         text=True, timeout=600)
     if out.returncode:
         raise RuntimeError(f"{case}/{impl} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,8 +86,11 @@ def main(argv=None):
     ap.add_argument("--case", default="all", choices=("encoder", "seq2seq", "all"))
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    sys.path.insert(0, ROOT)
-    from fastattn import _bench
+    try:
+        from fastattn import _bench
+    except ImportError:  # run as a script from the checkout without an install
+        sys.path.insert(0, ROOT)
+        from fastattn import _bench
     impls = ["fastattn"] + (["torch"] if _bench.load_torch(1) is not None else [])
     cases = ["encoder", "seq2seq"] if args.case == "all" else [args.case]
     print(f"{'case':>8} {'library':>9} {'RSS before MB':>13} {'peak extra MB':>13} "
