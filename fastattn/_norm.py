@@ -37,7 +37,8 @@ import numpy as np
 from scipy import special
 
 from . import _rowwise, _threads
-from ._validation import as_array, check_eps as _check_eps, check_grad_array, describe
+from ._validation import (as_array, canonical_matrix_stack, check_eps as _check_eps,
+                          check_grad_array, describe)
 
 __all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
            "relu_backward", "dropout", "dropout_backward"]
@@ -49,12 +50,18 @@ def _kernel_threads(n_threads):
 
 
 def _rows(a, dt):
-    """``a`` as a ``(rows, E)`` array of ``dt`` with a contiguous last axis (a view when it can be)."""
-    a2 = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
-    if a2.dtype != dt or (a2.shape[1] > 1 and a2.strides[1] != dt.itemsize) or \
-            (a2.shape[0] > 1 and a2.strides[0] < a2.shape[1] * dt.itemsize):
-        a2 = np.ascontiguousarray(a2, dtype=dt)
-    return a2
+    """``a`` as a ``(rows, E)`` array of ``dt`` for the kernels: a contiguous last
+    axis, a valid row stride, aligned (a view when it already is)."""
+    return canonical_matrix_stack(a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a, dt)
+
+
+def _flat(a, dt=None):
+    """``a`` as a 1-D C-contiguous, aligned array (of ``dt`` when given) for the
+    elementwise kernels (a view when it already is)."""
+    a = np.ascontiguousarray(a, dtype=dt)
+    if not a.flags.aligned:   # ascontiguousarray keeps unaligned memory
+        a = np.array(a, order="C")
+    return a.reshape(-1)
 
 
 def _float_array(x, name):
@@ -108,8 +115,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, n_threads=None):
     nt = _kernel_threads(n_threads)
     y = np.empty(x.shape, cdt)
     if y.size:
-        _rowwise.layer_norm(_rows(x, cdt), None if w is None else np.ascontiguousarray(w, cdt),
-                            None if b is None else np.ascontiguousarray(b, cdt), eps,
+        _rowwise.layer_norm(_rows(x, cdt), None if w is None else _flat(w, cdt),
+                            None if b is None else _flat(b, cdt), eps,
                             y.reshape(-1, x.shape[-1]), nt)
     with np.errstate(over="ignore"):   # float16: a value beyond its range is inf, as a cast
         return y.astype(_result_dtype(x, w, b), copy=False)
@@ -135,7 +142,7 @@ def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5, *, n_thre
     parts = np.zeros((_rowwise.ln_chunks(rows, E), 2, E)) if affine else None
     if dx.size:
         _rowwise.layer_norm_backward(_rows(g, cdt), _rows(x, cdt),
-                                     None if w is None else np.ascontiguousarray(w, cdt), eps,
+                                     None if w is None else _flat(w, cdt), eps,
                                      dx.reshape(rows, E), parts, nt)
     # NaN / inf in the inputs reach these sums and casts (inf - inf, float16 overflow):
     # they propagate, as documented, without NumPy's RuntimeWarnings
@@ -203,8 +210,7 @@ def relu_backward(grad_out, x, *, n_threads=None):
     if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and x.dtype == g.dtype and g.size:
         nt = _kernel_threads(n_threads)
         out = np.empty(g.shape, g.dtype)
-        _rowwise.relu_backward(np.ascontiguousarray(g).reshape(-1),
-                               np.ascontiguousarray(x).reshape(-1), out.reshape(-1), nt)
+        _rowwise.relu_backward(_flat(g), _flat(x), out.reshape(-1), nt)
         return out
     return np.where(x <= 0, g.dtype.type(0), g).astype(_grad_dtype(x), copy=False)
 
@@ -233,9 +239,8 @@ def dropout(x, p, *, rng, n_threads=None):
     keep = np.empty(x.shape, np.bool_)
     scale = 1.0 / (1.0 - p)
     if dt.itemsize >= 4 and keep.size:
-        xc = np.ascontiguousarray(x, dtype=dt)
         out = np.empty(x.shape, dt)
-        _rowwise.dropout(xc.reshape(-1), out.reshape(-1), keep.reshape(-1), seed, threshold,
+        _rowwise.dropout(_flat(x, dt), out.reshape(-1), keep.reshape(-1), seed, threshold,
                          scale, nt)
         return out, keep
     if keep.size:
@@ -255,8 +260,7 @@ def dropout_backward(grad_out, keep, p, *, n_threads=None):
     if g.dtype.kind == "f" and g.dtype.itemsize >= 4 and g.size:
         nt = _kernel_threads(n_threads)
         out = np.empty(g.shape, g.dtype)
-        _rowwise.mask_scale(np.ascontiguousarray(g).reshape(-1),
-                            np.ascontiguousarray(keep).reshape(-1), 1.0 / (1.0 - p),
+        _rowwise.mask_scale(_flat(g), _flat(keep), 1.0 / (1.0 - p),
                             out.reshape(-1), nt)
         return out
     out = np.multiply(g, keep, dtype=g.dtype, out=np.empty(g.shape, g.dtype))   # 0-d stays an array
