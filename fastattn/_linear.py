@@ -268,6 +268,6 @@ def _column_sums(a, n_threads):
             (n > 1 and a.strides[1] != a.itemsize) or (rows > 1 and a.strides[0] < n * a.itemsize):
         return np.add.reduce(a, axis=0, dtype=np.float64)
     _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
-    parts = np.zeros((_rowwise.ln_chunks(rows, n), n))
+    parts = np.zeros((_rowwise.n_chunks(rows, n), n))
     _rowwise.colsum(a, parts, n_threads)
     return np.add.reduce(parts, axis=0)

@@ -139,7 +139,7 @@ def layer_norm_backward(grad_out, x, weight=None, bias=None, eps=1e-5, *, n_thre
     rows = x.size // E if E else 0
     dx = np.empty(x.shape, cdt)
     affine = w is not None or b is not None
-    parts = np.zeros((_rowwise.ln_chunks(rows, E), 2, E)) if affine else None
+    parts = np.zeros((_rowwise.n_chunks(rows, E), 2, E)) if affine else None
     if dx.size:
         _rowwise.layer_norm_backward(_rows(g, cdt), _rows(x, cdt),
                                      None if w is None else _flat(w, cdt), eps,

@@ -71,7 +71,7 @@ def runtime_installed():
     return g_rt.pool_run != NULL
 
 
-def ln_chunk_rows(int64_t rows, int64_t E):
+def chunk_rows(int64_t rows, int64_t E):
     """Rows a chunk of a layer norm over ``(rows, E)`` (a function of the shape only)."""
     cdef int64_t c = CHUNK_ELEMS // (E if E > 0 else 1)
     if c < 1:
@@ -79,9 +79,9 @@ def ln_chunk_rows(int64_t rows, int64_t E):
     return c
 
 
-def ln_chunks(int64_t rows, int64_t E):
+def n_chunks(int64_t rows, int64_t E):
     """Number of chunks (and of ``parts`` rows the backward needs)."""
-    cdef int64_t c = ln_chunk_rows(rows, E)
+    cdef int64_t c = chunk_rows(rows, E)
     return (rows + c - 1) // c
 
 
@@ -157,7 +157,7 @@ def layer_norm(cnp.ndarray x, object w, object b, double eps, cnp.ndarray y, int
     c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
     if c.rows == 0 or c.E == 0:
         return
-    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.chunk = chunk_rows(c.rows, c.E)
     c.x, c.w, c.b, c.y = _ptr(x), _ptr(w), _ptr(b), _ptr(y)
     c.ldx, c.ldy = _ld(x), _ld(y)
     c.eps = eps
@@ -168,14 +168,14 @@ def layer_norm(cnp.ndarray x, object w, object b, double eps, cnp.ndarray y, int
 
 def layer_norm_backward(cnp.ndarray g, cnp.ndarray x, object w, double eps, cnp.ndarray dx,
                         object parts, int n_threads):
-    """dx from g (rows, E); ``parts`` (ln_chunks, 2, E) float64 zeros, or None: each
+    """dx from g (rows, E); ``parts`` (n_chunks, 2, E) float64 zeros, or None: each
     chunk's sums of g x̂ and of g."""
     cdef ln_ctx c
     c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
     c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
     if c.rows == 0 or c.E == 0:
         return
-    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.chunk = chunk_rows(c.rows, c.E)
     c.x, c.g, c.w, c.b, c.y = _ptr(x), _ptr(g), _ptr(w), NULL, _ptr(dx)
     c.ldx, c.ldg, c.ldy = _ld(x), _ld(g), _ld(dx)
     c.eps = eps
@@ -333,14 +333,14 @@ cdef void _colsum_task(void *vctx, int64_t t, int slot) noexcept nogil:
 
 
 def colsum(cnp.ndarray x, cnp.ndarray parts, int n_threads):
-    """parts[t] += the column sums of chunk t's rows of x (rows, N) (ln_chunks(rows, N)
-    chunks of ln_chunk_rows rows); parts (chunks, N) float64."""
+    """parts[t] += the column sums of chunk t's rows of x (rows, N) (n_chunks(rows, N)
+    chunks of chunk_rows rows); parts (chunks, N) float64."""
     cdef ln_ctx c
     c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
     c.rows, c.E = cnp.PyArray_DIMS(x)[0], cnp.PyArray_DIMS(x)[1]
     if c.rows == 0 or c.E == 0:
         return
-    c.chunk = ln_chunk_rows(c.rows, c.E)
+    c.chunk = chunk_rows(c.rows, c.E)
     c.x = _ptr(x)
     c.ldx = _ld(x)
     c.parts = <double *>_ptr(parts)
