@@ -402,6 +402,8 @@ class AttentionDecoder(Layer):
                       prm[f"bias_ih_l{k}"].astype(ct, copy=False) if rnn.bias else np.zeros(GH, ct),
                       prm[f"bias_hh_l{k}"].astype(ct, copy=False) if rnn.bias else np.zeros(GH, ct)))
         w_c = W[0][0][:, E:]                    # the context's columns of W_ih (l0)
+        # the backward's per-step products d(xw) W as linears on the transposes
+        WT = [np.ascontiguousarray(w_c.T)] + [np.ascontiguousarray(W[k][0].T) for k in range(1, Lr)]
         xe = F.linear(emb.reshape(B * T, E), W[0][0][:, :E], W[0][2]).reshape(B, T, GH)
         hs = [np.array(st[0][k], dtype=ct) for k in range(Lr)]
         cs = [np.array(st[1][k], dtype=ct) for k in range(Lr)] if lstm else [None] * Lr
@@ -456,8 +458,8 @@ class AttentionDecoder(Layer):
                     dbhh[k] += db
                     dXW[k][:, t] = dxw[:, 0]
                     if k:
-                        d_o = dxw[:, 0] @ wih
-                dctx = dXW[0][:, t] @ w_c
+                        d_o = F.linear(dxw[:, 0], WT[k])
+                dctx = F.linear(dXW[0][:, t], WT[0])
                 dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
                 dmem += dm
                 if dkp is not None:
