@@ -16,9 +16,10 @@ from .transformer import TransformerEncoder, TransformerEncoderLayer
 from .multi_head import MultiHeadAttention
 from .rnn import GRU, LSTM, Embedding, Linear, RNNEncoder, SimpleRNN
 from .seq2seq import AttentionDecoder, DecodeResult, Memory, Seq2Seq
+from .classifier import TextClassifier
 
 __all__ = ["Layer", "Embedding", "Linear", "SimpleRNN", "GRU", "LSTM", "RNNEncoder", "Attention",
            "SelfAttention", "MultiHeadAttention", "AttentionDecoder", "Seq2Seq", "Memory",
            "DecodeResult", "LayerNorm", "Dropout", "FeedForward", "MeanPooling", "Sequential",
            "AttentionPooling", "PositionalEmbedding",
-           "TransformerEncoderLayer", "TransformerEncoder"]
+           "TransformerEncoderLayer", "TransformerEncoder", "TextClassifier"]

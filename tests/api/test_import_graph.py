@@ -42,7 +42,8 @@ LAYERS = [
     ("layers", {"fastattn.layers", "fastattn.layers._base", "fastattn.layers.rnn",
                 "fastattn.layers.attention", "fastattn.layers.multi_head",
                 "fastattn.layers.seq2seq", "fastattn.layers.blocks",
-                "fastattn.layers.transformer", "fastattn.testing"}),
+                "fastattn.layers.transformer", "fastattn.layers.classifier",
+                "fastattn.testing"}),
     # checkpoints: the public layer classes are its allow-list
     ("checkpoint", {"fastattn._checkpoint"}),
     ("training", {"fastattn.train"}),

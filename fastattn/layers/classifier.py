@@ -1,0 +1,272 @@
+"""``TextClassifier``: token ids → class logits through self-attention and
+attention pooling (the sentiment classifier of ``examples/sentiment``).
+
+Pure Python over the layers of this package; every computation is theirs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._base import Layer, _config_seed, _rng, check_bool, check_dtype, check_int
+from .blocks import AttentionPooling, Dropout, PositionalEmbedding, _check_activation, _check_p
+from .rnn import GRU, Embedding, Linear
+from .transformer import TransformerEncoder, TransformerEncoderLayer
+
+__all__ = ["TextClassifier", "hash_ngrams"]
+
+# n-gram hashing: h = (h * _MULT + id + 1) mod 2**64 over the n ids ending at a
+# position (uint64 arithmetic wraps), then 1 + h mod buckets (0 = padding)
+_MULT = np.uint64(1_000_003)
+
+
+def _check_orders(orders):
+    if isinstance(orders, (int, np.integer)) and not isinstance(orders, bool):
+        orders = (orders,)
+    if not isinstance(orders, (tuple, list)):
+        raise TypeError(f"ngram_orders: expected a tuple of n-gram sizes >= 2, got "
+                        f"{type(orders).__name__} {orders!r}")
+    out = []
+    for n in orders:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
+            raise ValueError(f"ngram_orders: expected n-gram sizes >= 2, got {orders!r}")
+        out.append(int(n))
+    if len(set(out)) != len(out):
+        raise ValueError(f"ngram_orders: expected distinct sizes, got {orders!r}")
+    return tuple(sorted(out))
+
+
+def hash_ngrams(ids, mask, orders, buckets):
+    """``(len(orders), B, L)`` int64: for each order n, each position's hashed
+    bucket (1 .. buckets) of the n ids ending there; 0 where the n-gram would
+    start before the sequence or covers padding (``mask`` False).
+
+    The hash: ``h = (h * 1000003 + id + 1) mod 2**64`` over the n ids, oldest
+    first, then ``1 + h mod buckets``; deterministic across machines."""
+    ids = np.asarray(ids)
+    mask = np.asarray(mask, dtype=bool)
+    B, L = ids.shape
+    out = []
+    with np.errstate(over="ignore"):
+        for n in orders:
+            h = np.zeros((B, L), np.uint64)
+            ok = mask.copy()
+            for j in range(n - 1, -1, -1):   # the id j positions back
+                sh = np.zeros((B, L), np.uint64)
+                sh[:, j:] = ids[:, :L - j].astype(np.uint64) + np.uint64(1)
+                h = h * _MULT + sh
+                ok[:, :j] = False
+            out.append(np.where(ok, (h % np.uint64(buckets)).astype(np.int64) + 1, 0))
+    return np.stack(out) if out else np.zeros((0, B, L), np.int64)
+
+
+class TextClassifier(Layer):
+    """Token ids ``(B, L)`` and their mask → logits ``(B, num_classes)``::
+
+        x = Embedding(ids) [+ Σ_n NgramEmbedding(hash of the n ids ending here)]
+        x = Dropout(PositionalEmbedding(x))
+        x = BiGRU(x)                           (rnn_hidden > 0; padding never enters)
+        x = TransformerEncoder(x, key_mask)    (num_layers encoder layers)
+        p = AttentionPooling(x, mask)          (hops × attn_dim, Lin et al. 2017)
+        logits = Linear(Dropout(p))
+
+    ``ngram_buckets > 0`` adds hashed n-gram embeddings (fastText's device;
+    ``ngram_orders``, default bigrams) to each token's: a character bigram
+    carries much of a Chinese word's meaning.  Positions 0 of the ids
+    (``padding_idx``) are padding.  The pooling's weights ``(B, hops, L)``
+    show which tokens the decision rests on (``return_weights=True``);
+    ``penalty`` weighs the pooling's ``‖AAᵀ − I‖²`` term in training.
+
+    ``forward(ids, mask=None)`` (mask: True = real token, None: all) is the
+    inference path; ``forward_backward(ids, mask=None)`` → ``(logits,
+    backprop)``, ``backprop(grad_logits)`` → ``(None, None)``.
+    """
+
+    def __init__(self, vocab_size, num_classes=2, embed_dim=128, *, num_heads=4, num_layers=1,
+                 ff_dim=256, dropout=0.1, activation="relu", norm_first=False, max_len=512,
+                 positions="learned", rnn_hidden=0, ngram_buckets=0, ngram_orders=(2,),
+                 attn_dim=64, hops=1, penalty=0.0, padding_idx=0, seed=None, dtype=np.float32):
+        V = check_int(vocab_size, "vocab_size")
+        C = check_int(num_classes, "num_classes")
+        E = check_int(embed_dim, "embed_dim")
+        heads = check_int(num_heads, "num_heads")
+        nl = check_int(num_layers, "num_layers", 0)
+        ff = check_int(ff_dim, "ff_dim")
+        p = _check_p(dropout, "dropout")
+        activation = _check_activation(activation)
+        norm_first = check_bool(norm_first, "norm_first")
+        n = check_int(max_len, "max_len")
+        if positions not in ("learned", "sinusoidal", None):
+            raise ValueError(f"positions: expected 'learned', 'sinusoidal' or None, got {positions!r}")
+        rh = check_int(rnn_hidden, "rnn_hidden", 0)
+        nb = check_int(ngram_buckets, "ngram_buckets", 0)
+        orders = _check_orders(ngram_orders)
+        da = check_int(attn_dim, "attn_dim")
+        r = check_int(hops, "hops")
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating)) \
+                or not penalty >= 0:
+            raise ValueError(f"penalty: expected a coefficient >= 0, got {penalty!r}")
+        pad = check_int(padding_idx, "padding_idx", 0)
+        if pad >= V:
+            raise ValueError(f"padding_idx: expected an id < vocab_size={V}, got {pad}")
+        dt = check_dtype(dtype)
+        d_model = 2 * rh if rh else E
+        if nl and d_model % heads:
+            raise ValueError(f"num_heads: expected a divisor of the encoder width {d_model} "
+                             f"({'2 * rnn_hidden' if rh else 'embed_dim'}), got {heads}")
+        self._config = dict(vocab_size=V, num_classes=C, embed_dim=E, num_heads=heads,
+                            num_layers=nl, ff_dim=ff, dropout=p, activation=activation,
+                            norm_first=norm_first, max_len=n, positions=positions,
+                            rnn_hidden=rh, ngram_buckets=nb, ngram_orders=list(orders),
+                            attn_dim=da, hops=r, penalty=float(penalty), padding_idx=pad,
+                            seed=_config_seed(seed), dtype=dt.name)
+        rng = _rng(seed)
+        self.embedding = Embedding(V, E, padding_idx=pad, seed=rng, dtype=dt)
+        self.ngrams = Embedding(nb + 1, E, padding_idx=0, seed=rng, dtype=dt) if nb else None
+        for emb in (self.embedding, self.ngrams):   # N(0, 1/E): the sum stays O(1)
+            if emb is not None:
+                emb._params["weight"] *= dt.type(1.0 / np.sqrt(E))
+        self.positions = PositionalEmbedding(n, E, kind=positions, seed=rng, dtype=dt) \
+            if positions else None
+        if self.positions is not None and positions == "learned":
+            self.positions._params["weight"] *= dt.type(1.0 / np.sqrt(E))
+        self.dropout = Dropout(p, seed=rng)
+        self.rnn = GRU(E, rh, bidirectional=True, seed=rng, dtype=dt) if rh else None
+        self.encoder = TransformerEncoder(
+            TransformerEncoderLayer(d_model, heads if nl else 1, ff, p, activation,
+                                    norm_first=norm_first, seed=rng, dtype=dt),
+            nl, norm=norm_first and nl > 0, seed=rng) if nl else None
+        self.pool = AttentionPooling(d_model, da, r, seed=rng, dtype=dt)
+        self.head_dropout = Dropout(p, seed=rng)
+        self.head = Linear(r * d_model, C, seed=rng, dtype=dt)
+        self._params = {}
+
+    def _children(self):
+        c = {"embedding": self.embedding}
+        if self.ngrams is not None:
+            c["ngrams"] = self.ngrams
+        if self.positions is not None:
+            c["positions"] = self.positions
+        c["dropout"] = self.dropout
+        if self.rnn is not None:
+            c["rnn"] = self.rnn
+        if self.encoder is not None:
+            c["encoder"] = self.encoder
+        c.update(pool=self.pool, head_dropout=self.head_dropout, head=self.head)
+        return c
+
+    # ------------------------------------------------------------- inputs
+    def _ids_mask(self, ids, mask):
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"ids: expected an integer array of token ids, got dtype {a.dtype}")
+        if a.ndim != 2:
+            raise ValueError(f"ids: expected shape (B, L), got {a.ndim}-d array of shape {a.shape}")
+        V, n = self._config["vocab_size"], self._config["max_len"]
+        if a.size and (a.min() < 0 or a.max() >= V):
+            bad = a[(a < 0) | (a >= V)].flat[0]
+            raise ValueError(f"ids: expected ids in [0, {V}), got {bad}")
+        if self.positions is not None and a.shape[1] > n:
+            raise ValueError(f"ids: expected at most max_len={n} tokens, got {a.shape[1]} "
+                             "(truncate the sequences)")
+        if mask is None:
+            m = np.ones(a.shape, bool)
+        else:
+            m = np.asarray(mask)
+            if m.dtype != np.bool_:
+                raise TypeError(f"mask: expected a boolean array (True = real token), got dtype {m.dtype}")
+            if m.shape != a.shape:
+                raise ValueError(f"mask: expected the shape of ids {a.shape}, got {m.shape}")
+            if m.size and np.any(m[:, 1:] & ~m[:, :-1]):
+                raise ValueError("mask: expected the real tokens first and the padding at the end "
+                                 "of each row (True ... True False ... False)")
+        a = np.where(m, a, self._config["padding_idx"]).astype(np.int64)
+        return a, m.copy()
+
+    def ngram_ids(self, ids, mask):
+        """:func:`hash_ngrams` of (validated) ids with this layer's orders and buckets."""
+        return hash_ngrams(ids, mask, self._config["ngram_orders"], self._config["ngram_buckets"])
+
+    # ------------------------------------------------------------- passes
+    def __call__(self, ids, mask=None, *, return_weights=False):
+        return self.forward(ids, mask, return_weights=return_weights)
+
+    def forward(self, ids, mask=None, *, return_weights=False):
+        """logits ``(B, num_classes)``; with ``return_weights`` also the pooling
+        weights ``(B, hops, L)`` (zero at padding)."""
+        ids, mask = self._ids_mask(ids, mask)
+        x = self.embedding(ids)
+        if self.ngrams is not None:
+            for g in self.ngram_ids(ids, mask):   # bucket 0 (none): no vector, whatever row 0 holds
+                x = x + np.where((g > 0)[..., None], self.ngrams(g), 0).astype(x.dtype, copy=False)
+        if self.positions is not None:
+            x = self.positions(x)
+        x = self.dropout(x)
+        if self.rnn is not None:
+            x, _ = self.rnn(x, lengths=mask.sum(1))
+            x = np.where(mask[..., None], x, 0).astype(x.dtype, copy=False)
+        if self.encoder is not None:
+            x = self.encoder(x, key_mask=mask)
+        pooled, w = self.pool(x, mask, return_weights=True)
+        logits = self.head(self.head_dropout(pooled))
+        return (logits, w) if return_weights else logits
+
+    def forward_backward(self, ids, mask=None):
+        """``(logits, backprop)``; ``backprop(grad_logits)`` adds every gradient
+        (the pooling penalty's too, weighted by ``penalty``) and returns
+        ``(None, None)``.  The penalty's value is in :attr:`last_penalty`."""
+        ids, mask = self._ids_mask(ids, mask)
+        x, b_emb = self.embedding.forward_backward(ids)
+        b_ngr = []
+        if self.ngrams is not None:
+            for g in self.ngram_ids(ids, mask):
+                e, b = self.ngrams.forward_backward(g)
+                x = x + np.where((g > 0)[..., None], e, 0).astype(x.dtype, copy=False)
+                b_ngr.append(b)
+        b_pos = None
+        if self.positions is not None:
+            x, b_pos = self.positions.forward_backward(x)
+        x, b_d = self.dropout.forward_backward(x)
+        b_rnn = b_enc = None
+        keep = mask[..., None]
+        if self.rnn is not None:
+            (x, _), b_rnn = self.rnn.forward_backward(x, lengths=mask.sum(1))
+            x = np.where(keep, x, 0).astype(x.dtype, copy=False)
+        if self.encoder is not None:
+            x, b_enc = self.encoder.forward_backward(x, key_mask=mask)
+        (pooled, P), b_pool = self.pool.forward_backward(x, mask, penalty=self._config["penalty"])
+        self.last_penalty = P
+        h, b_hd = self.head_dropout.forward_backward(pooled)
+        logits, b_head = self.head.forward_backward(h)
+
+        def backprop(grad_logits):
+            (g,) = b_head(grad_logits)
+            (g,) = b_hd(g)
+            g, _ = b_pool(g)
+            if b_enc is not None:
+                (g,) = b_enc(g)
+            if b_rnn is not None:
+                g, _ = b_rnn(np.where(keep, g, 0).astype(g.dtype, copy=False))
+            (g,) = b_d(g)
+            if b_pos is not None:
+                (g,) = b_pos(g)
+            for b in b_ngr:
+                b(g)
+            b_emb(g)
+            return None, None
+        return logits, backprop
+
+    def token_weights(self, ids, mask=None):
+        """``(B, L)``: the pooling weights averaged over the hops (each row sums
+        to 1 over its real tokens), in inference mode."""
+        was = self.training
+        self.eval()
+        try:
+            _, w = self.forward(ids, mask, return_weights=True)
+        finally:
+            self.train(was)
+        return w.mean(axis=1)
+
+    def get_config(self):
+        c = dict(self._config)
+        c["ngram_orders"] = list(c["ngram_orders"])
+        return c
