@@ -8,12 +8,16 @@
 * :func:`highlight` -- a terminal rendering: for each query token, the key
   tokens with the largest weights highlighted (ANSI colours optional, plain
   ``[brackets]`` otherwise).
+* :func:`highlight_tokens` -- one sequence with its largest-weight tokens
+  highlighted (e.g. an attention pooling's weights over a sentence).
+* :func:`tokens_html` -- a self-contained HTML page with every token of each
+  row shaded by its weight.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["heatmap", "highlight"]
+__all__ = ["heatmap", "highlight", "highlight_tokens", "tokens_html"]
 
 
 def _weights_2d(weights, name="weights"):
@@ -133,3 +137,99 @@ def highlight(weights, query_tokens, key_tokens, top_k=3, *, color=False, show_w
             line += "   (" + ", ".join(f"{kt[j]}={w[i, j]:.{decimals}f}" for j in order) + ")"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _weights_1d(weights, n, name="weights"):
+    try:
+        w = np.asarray(weights)
+    except Exception as exc:
+        raise TypeError(f"{name}: expected an array of real numbers, got {type(weights).__name__} ({exc})") from None
+    if w.dtype.kind not in "fiub":
+        raise TypeError(f"{name}: expected real numbers, got dtype {w.dtype}")
+    if w.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-d array (one weight per token), got {w.ndim}-d array "
+                         f"of shape {w.shape}")
+    if w.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} weights (one per token), got {w.shape[0]}")
+    w = w.astype(np.float64)
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"{name}: contains NaN or infinite values")
+    return w
+
+
+def _token_list(tokens, name="tokens"):
+    if isinstance(tokens, str) or tokens is None:
+        raise TypeError(f"{name}: expected a sequence of tokens, got {type(tokens).__name__} (split it first)")
+    return [str(t) for t in tokens]
+
+
+def highlight_tokens(weights, tokens, top_k=3, *, color=False, sep=" "):
+    """One sequence with its ``top_k`` largest-weight tokens highlighted:
+    ``weights (L,)`` over ``tokens`` (e.g. an attention pooling's weights).
+
+    color : True for ANSI colours (rank 1 red, 2 yellow, others cyan); False
+        marks them ``[token]``.
+    sep : what joins the tokens (``""`` for characters of Chinese text).
+
+    Tokens of weight 0 (masked) are never highlighted.  Returns a str."""
+    toks = _token_list(tokens)
+    w = _weights_1d(weights, len(toks))
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
+    if not isinstance(color, (bool, np.bool_)):
+        raise TypeError(f"color: expected a bool, got {type(color).__name__}")
+    if not isinstance(sep, str):
+        raise TypeError(f"sep: expected a str, got {type(sep).__name__}")
+    order = [j for j in np.argsort(-w, kind="stable")[:top_k] if w[j] > 0]
+    rank = {j: r for r, j in enumerate(order)}
+    parts = []
+    for j, tok in enumerate(toks):
+        if j not in rank:
+            parts.append(tok)
+        elif color:
+            parts.append(f"{_ANSI[min(rank[j], 2)]}{tok}{_RESET}")
+        else:
+            parts.append(f"[{tok}]")
+    return sep.join(parts)
+
+
+def tokens_html(rows, *, title="Attention weights", sep=" "):
+    """A self-contained HTML page: each row's tokens shaded by their weights.
+
+    rows : iterable of ``(tokens, weights)`` or ``(tokens, weights, caption)``
+        ``weights (len(tokens),)``; each row is shaded relative to its own
+        largest weight (the darkest token), its weights shown on hover.
+    sep : what joins the tokens (``""`` for characters of Chinese text).
+
+    Returns the page as a str (write it to a ``.html`` file)."""
+    import html
+
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__}")
+    if not isinstance(sep, str):
+        raise TypeError(f"sep: expected a str, got {type(sep).__name__}")
+    if isinstance(rows, (str, bytes)):
+        raise TypeError("rows: expected an iterable of (tokens, weights[, caption]), got a str")
+    body = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, (tuple, list)) or len(row) not in (2, 3):
+            raise TypeError(f"rows[{i}]: expected (tokens, weights) or (tokens, weights, caption), "
+                            f"got {type(row).__name__}")
+        toks = _token_list(row[0], f"rows[{i}] tokens")
+        w = _weights_1d(row[1], len(toks), f"rows[{i}] weights")
+        top = float(w.max()) if w.size and w.max() > 0 else 1.0
+        spans = []
+        for tok, x in zip(toks, w):
+            a = max(0.0, x) / top
+            spans.append(f'<span title="{x:.4f}" style="background: rgba(220, 40, 40, {a:.3f})">'
+                         f"{html.escape(tok)}</span>")
+        cap = f'<div class="cap">{html.escape(str(row[2]))}</div>' if len(row) == 3 else ""
+        body.append(f'<div class="row">{cap}<div class="toks">{html.escape(sep).join(spans)}</div></div>')
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+            ".row{margin:1em 0;padding:.5em;border-bottom:1px solid #ddd}"
+            ".cap{font-size:.85em;color:#555;margin-bottom:.3em}"
+            ".toks{font-size:1.2em;line-height:1.8}span{padding:0 1px;border-radius:2px}"
+            f"</style></head><body><h1>{html.escape(title)}</h1>\n"
+            + "\n".join(body) + "\n</body></html>\n")

@@ -84,3 +84,37 @@ def test_heatmap_needs_no_pyplot_and_no_display(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_highlight_tokens_exact_and_color():
+    s = viz.highlight_tokens([0.1, 0.5, 0.0, 0.4], ["很", "好", "的", "书"], top_k=3, sep="")
+    assert s == "[很][好]的[书]"                    # weight 0 never highlighted
+    c = viz.highlight_tokens([0.1, 0.5, 0.4], ["a", "b", "c"], top_k=2, color=True)
+    assert c == "a \x1b[1;97;41mb\x1b[0m \x1b[1;30;43mc\x1b[0m"
+
+
+@pytest.mark.parametrize("args, exc, msg", [
+    (([0.1, 0.2], "ab"), TypeError, "tokens: expected a sequence of tokens, got str"),
+    (([0.1, 0.2], ["a"]), ValueError, r"weights: expected 1 weights \(one per token\), got 2"),
+    (([[0.1]], ["a"]), ValueError, "weights: expected a 1-d array"),
+    (([np.nan], ["a"]), ValueError, "NaN"),
+    ((["x"], ["a"]), TypeError, "weights: expected real numbers"),
+])
+def test_highlight_tokens_errors(args, exc, msg):
+    with pytest.raises(exc, match=msg):
+        viz.highlight_tokens(*args)
+    with pytest.raises(ValueError, match="top_k"):
+        viz.highlight_tokens([0.5], ["a"], top_k=0)
+
+
+def test_tokens_html_shades_relative_to_the_row_max_and_escapes():
+    page = viz.tokens_html([(["<b>", "ok"], [0.25, 0.5], "pos & 0.9"), (["x"], [0.0])], sep="")
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert '<span title="0.2500" style="background: rgba(220, 40, 40, 0.500)">&lt;b&gt;</span>' in page
+    assert 'rgba(220, 40, 40, 1.000)">ok</span>' in page
+    assert '<div class="cap">pos &amp; 0.9</div>' in page
+    assert 'rgba(220, 40, 40, 0.000)">x</span>' in page     # an all-zero row: no shade, no error
+    with pytest.raises(TypeError, match=r"rows\[0\]: expected \(tokens, weights\)"):
+        viz.tokens_html([["a"]])
+    with pytest.raises(ValueError, match=r"rows\[0\] weights: expected 2 weights"):
+        viz.tokens_html([(["a", "b"], [1.0])])
