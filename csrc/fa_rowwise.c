@@ -223,3 +223,24 @@ void fa_adam_##SFX(int64_t n, T *p, const T *g, T *m, T *v, T *vmax,            
 
 ADAM_DEFINE(f32, float, sqrtf)
 ADAM_DEFINE(f64, double, sqrt)
+
+/* ------------------------------------------------------------ scatter-add */
+void fa_scatter_add_f32(int64_t rows, int64_t E, const float *src, const int64_t *ids, float *dst)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        float *d = dst + ids[r] * E;
+        const float *s = src + r * E;
+        for (int64_t j = 0; j < E; j++)
+            d[j] += s[j];
+    }
+}
+
+void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids, double *dst)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        double *d = dst + ids[r] * E;
+        const double *s = src + r * E;
+        for (int64_t j = 0; j < E; j++)
+            d[j] += s[j];
+    }
+}

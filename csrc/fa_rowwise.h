@@ -65,6 +65,13 @@ void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
 void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc);
 void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc);
 
+/* dst[ids[r] * E + j] += src[r * E + j] for r < rows in order, j < E (an
+ * embedding's backward: repeated ids summed one after the other in the
+ * order they come, as numpy.add.at does; ids already checked in [0, n)).
+ * Single-threaded: the same sums on every call. */
+void fa_scatter_add_f32(int64_t rows, int64_t E, const float *src, const int64_t *ids, float *dst);
+void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids, double *dst);
+
 /* One Adam / AdamW step (torch.optim's math, the operations of
  * fastattn/optim.py's NumPy form in the same order, each rounded to T) on
  * elements [0, n) of a parameter p, its gradient g and its moments m, v (and

@@ -1,30 +1,26 @@
 """``embedding(ids, weight)``: the lookup ``weight[ids]``, and its backward.
 
 The backward is a scatter-add of the rows of ``grad_out`` into a zero
-``(num_embeddings, embedding_dim)`` gradient, with :func:`numpy.add.at` on
-flat element indices: it adds the contributions of repeated ids one after the
-other in the order the ids come (row-major over ``ids``), single-threaded, so
-a row's gradient is the same sequential sum on every call.  A sort-based
-reduction was the other candidate; ``np.add.reduceat`` over the sorted rows
-does not add a segment's rows in that sequential order (measured: not the same
-bits as a Python loop over the ids, where ``np.add.at`` is), and it copies
-every row once more.  The element-index form of ``np.add.at`` (one flat index
-per value, taken in chunks of rows) was 2-3x faster than ``np.add.at`` on row
-indices in a few timings on this machine (4096 ids x 256 float32: about 5 ms
-against 13 ms), with the same bits.
+``(num_embeddings, embedding_dim)`` gradient, in C (``fa_scatter_add``,
+csrc/fa_rowwise.c, GIL released): it adds the contributions of repeated ids
+one after the other in the order the ids come (row-major over ``ids``),
+single-threaded, so a row's gradient is the same sequential sum on every
+call -- the sums :func:`numpy.add.at` gives, which it replaced (it was
+about 10x slower here).  A sort-based reduction was the other candidate;
+``np.add.reduceat`` over the sorted rows does not add a segment's rows in
+that sequential order (not the same bits as a loop over the ids).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import _rowwise
 from ._validation import as_array, check_float_kind, check_int
 
 __all__ = ["embedding", "embedding_backward"]
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
-#: values added per np.add.at call of the backward (bounds its index array)
-SCATTER_CHUNK = 1 << 16
 
 
 def _check_padding_idx(padding_idx, n):
@@ -105,14 +101,46 @@ def embedding_backward(grad_out, ids, num_embeddings, *, padding_idx=None, dtype
     dw = np.zeros((n, E), cdt)
     rows = a.size
     if rows and E:
-        flat_ids = a.reshape(rows)
-        g2 = g.reshape(rows, E)
-        cols = np.arange(E, dtype=np.intp)
-        step = max(1, SCATTER_CHUNK // E)
-        out = dw.reshape(n * E)
-        for r0 in range(0, rows, step):  # in row order: the sums stay sequential in id order
-            idx = flat_ids[r0:r0 + step].astype(np.intp, copy=False)[:, None] * E + cols
-            np.add.at(out, idx.reshape(-1), g2[r0:r0 + step].astype(cdt, copy=False).reshape(-1))
+        # in row order (csrc/fa_rowwise.c): each id's rows summed one after the
+        # other in the order they come, the sums numpy.add.at would give
+        src = np.ascontiguousarray(g.reshape(rows, E), dtype=cdt)
+        if not src.flags.aligned:
+            src = src.copy()
+        _rowwise.scatter_add(dw, src, np.ascontiguousarray(a.reshape(rows), dtype=np.int64))
     if pad is not None:
         dw[pad] = 0
     return dw.astype(rdt, copy=False)
+
+
+def accumulate_backward(acc, grad_out, ids, *, padding_idx=None):
+    """``acc += embedding_backward(grad_out, ids, len(acc), padding_idx=...)``
+    without the dense temporary (the layers' backward: ``acc`` is their
+    gradient accumulator, C-contiguous, of grad_out's dtype float32 /
+    float64): the rows are added into ``acc`` in the order of the ids, the
+    ``padding_idx`` rows skipped.  Returns False (nothing done) when the
+    dtypes or the layout do not allow it -- the caller then takes
+    :func:`embedding_backward`."""
+    g = np.asarray(grad_out)
+    if (not isinstance(acc, np.ndarray) or acc.ndim != 2 or acc.dtype not in (_F32, _F64)
+            or g.dtype != acc.dtype or not acc.flags.c_contiguous or not acc.flags.aligned
+            or not acc.flags.writeable):
+        return False
+    n, E = acc.shape
+    a = _check_ids(ids, n)
+    if g.shape != a.shape + (E,):
+        raise ValueError(f"grad_out: expected shape ids.shape + (embedding_dim,) = "
+                         f"{a.shape} + ({E},), got {g.shape}")
+    rows = a.size
+    if not rows or not E:
+        return True
+    flat = np.ascontiguousarray(a.reshape(rows), dtype=np.int64)
+    src = np.ascontiguousarray(g.reshape(rows, E))
+    pad = _check_padding_idx(padding_idx, n)
+    if pad is not None:
+        keep = flat != pad
+        if not keep.all():
+            flat, src = flat[keep], src[keep]
+    if not src.flags.aligned:
+        src = src.copy()
+    _rowwise.scatter_add(acc, src, flat)
+    return True

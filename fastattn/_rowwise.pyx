@@ -45,6 +45,10 @@ cdef extern from "fa_rowwise.h" nogil:
     void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
     void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc)
     void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc)
+    void fa_scatter_add_f32(int64_t rows, int64_t E, const float *src, const int64_t *ids,
+                            float *dst)
+    void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids,
+                            double *dst)
     ctypedef struct fa_adam_hyper:
         double lr, b1, b2, eps, wd, step_size, bc2_sqrt
         int decoupled, maximize
@@ -346,3 +350,21 @@ def colsum(cnp.ndarray x, cnp.ndarray parts, int n_threads):
     c.parts = <double *>_ptr(parts)
     with nogil:
         _run(&c, _colsum_task, n_threads)
+
+
+def scatter_add(cnp.ndarray dst, cnp.ndarray src, cnp.ndarray ids):
+    """dst[ids[r]] += src[r] for the rows r in order (GIL released).  dst (n, E)
+    and src (rows, E) C-contiguous, aligned, of one dtype (float32 or
+    float64); ids (rows,) C-contiguous int64, every id in [0, n) -- the
+    caller's checks."""
+    cdef int64_t rows = cnp.PyArray_DIMS(src)[0]
+    cdef int64_t E = cnp.PyArray_DIMS(src)[1]
+    cdef bint f64 = cnp.PyArray_TYPE(dst) == cnp.NPY_FLOAT64
+    cdef char *d = _ptr(dst)
+    cdef char *s = _ptr(src)
+    cdef const int64_t *i = <const int64_t *>_ptr(ids)
+    with nogil:
+        if f64:
+            fa_scatter_add_f64(rows, E, <const double *>s, i, <double *>d)
+        else:
+            fa_scatter_add_f32(rows, E, <const float *>s, i, <float *>d)

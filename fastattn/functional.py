@@ -20,6 +20,7 @@ op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 """
 from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
+from ._embedding import accumulate_backward as _embedding_backward_into  # the layers' in-place form
 from ._linear import linear, linear_backward
 from ._merge import merge_attention
 from ._multihead import (multi_head_attention, multi_head_attention_backward,

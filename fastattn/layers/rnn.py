@@ -107,9 +107,10 @@ class Embedding(Layer):
         w = self._params["weight"]
 
         def backprop(grad_out):
-            dw = F.embedding_backward(grad_out, ids, w.shape[0],
-                                      padding_idx=self._config["padding_idx"], dtype=w.dtype)
-            self.grads["weight"] += dw
+            acc, pad = self.grads["weight"], self._config["padding_idx"]
+            if not F._embedding_backward_into(acc, grad_out, ids, padding_idx=pad):
+                acc += F.embedding_backward(grad_out, ids, w.shape[0], padding_idx=pad,
+                                            dtype=w.dtype)
             return (None,)
         return out, backprop
 

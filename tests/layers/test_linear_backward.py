@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastattn import _embedding, _linear, _proj
+from fastattn import functional as F
 from fastattn import _reference as R
 from fastattn.functional import embedding, embedding_backward, linear, linear_backward
 from fastattn.layers import Embedding
@@ -317,9 +318,10 @@ def test_embedding_backward_matches_the_oracle_and_torch(shape, padding_idx, rng
         np.testing.assert_array_equal(a, c)
 
 
-def test_embedding_backward_sums_repeated_ids_in_their_order(monkeypatch, rng):
+def test_embedding_backward_sums_repeated_ids_in_their_order(rng):
     """The sums are the sequential ones of a loop over the ids, bit for bit, in
-    float32 (whose rounding depends on the order), also across scatter chunks."""
+    float32 (whose rounding depends on the order), as numpy.add.at's; from a
+    non-contiguous grad_out too."""
     n, E = 4, 33
     ids = rng.integers(0, n, size=(50, 7))
     scale = np.float32(1e3) ** rng.integers(-1, 2, size=(50, 7, 1)).astype(np.float32)
@@ -334,8 +336,12 @@ def test_embedding_backward_sums_repeated_ids_in_their_order(monkeypatch, rng):
     for i, row in zip(ids.reshape(-1)[::-1], g.reshape(-1, E)[::-1]):
         rev[i] += row
     assert not np.array_equal(rev, loop)
-    monkeypatch.setattr(_embedding, "SCATTER_CHUNK", 2 * E)   # 2 rows per np.add.at call
-    np.testing.assert_array_equal(embedding_backward(g, ids, n), loop)
+    at = np.zeros((n, E), np.float32)
+    np.add.at(at, ids.reshape(-1), g.reshape(-1, E))
+    np.testing.assert_array_equal(got, at)
+    wide = np.zeros((50, 7, 2 * E), np.float32)
+    wide[..., ::2] = g
+    np.testing.assert_array_equal(embedding_backward(wide[..., ::2], ids, n), loop)
     np.testing.assert_array_equal(embedding_backward(g, ids, n), got)
 
 
@@ -428,3 +434,26 @@ def test_embedding_layer_calls_functional_with_its_messages(monkeypatch, rng):
         layer(ids.astype(float))
     with pytest.raises(ValueError, match=r"^ids: expected token ids in \[0, 10\), got values in \[-1, 10\]$"):
         layer(np.array([-1, 10]))
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_embedding_accumulate_in_place_matches_embedding_backward(dt, rng):
+    """The layers' in-place form: acc + embedding_backward's sums (from zero:
+    the same bits), the padding row untouched, other dtypes declined."""
+    n, E = 6, 5
+    ids = rng.integers(0, n, size=(9, 4))
+    g = randn(rng, (9, 4, E), dt)
+    acc = np.zeros((n, E), dt)
+    assert F._embedding_backward_into(acc, g, ids, padding_idx=2)
+    np.testing.assert_array_equal(acc, embedding_backward(g, ids, n, padding_idx=2))
+    base = randn(rng, (n, E), dt)
+    acc = base.copy()
+    assert F._embedding_backward_into(acc, g, ids, padding_idx=2)
+    np.testing.assert_array_equal(acc[2], base[2])
+    assert_close(acc, base + R.embedding_backward(g, ids, n, padding_idx=2), dt)
+    other = np.float64 if dt == np.float32 else np.float32
+    acc = np.zeros((n, E), other)
+    assert not F._embedding_backward_into(acc, g, ids)
+    assert not acc.any()
+    with pytest.raises(ValueError, match="ids: expected token ids in"):
+        F._embedding_backward_into(np.zeros((n, E), dt), g, ids + n)
