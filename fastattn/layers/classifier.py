@@ -67,7 +67,7 @@ class TextClassifier(Layer):
         x = BiGRU(x)                           (rnn_hidden > 0; padding never enters)
         x = TransformerEncoder(x, key_mask)    (num_layers encoder layers)
         p = AttentionPooling(x, mask)          (hops × attn_dim, Lin et al. 2017)
-        logits = Linear(Dropout(p))
+        logits = Linear(Dropout(p)) [+ mean over the tokens of Wide(token, its n-grams)]
 
     ``ngram_buckets > 0`` adds hashed n-gram embeddings (fastText's device;
     ``ngram_orders``, default bigrams) to each token's: a character bigram
@@ -75,6 +75,11 @@ class TextClassifier(Layer):
     (``padding_idx``) are padding.  The pooling's weights ``(B, hops, L)``
     show which tokens the decision rests on (``return_weights=True``);
     ``penalty`` weighs the pooling's ``‖AAᵀ − I‖²`` term in training.
+    ``wide_buckets > 0`` adds a "wide" part (Cheng et al. 2016's wide & deep;
+    fastText's linear classifier): a class-score vector per token id and per
+    hashed n-gram (``ngram_orders``, ``wide_buckets`` buckets of their own),
+    averaged over the real tokens and added to the logits -- a linear model
+    over the bag of n-grams, trained jointly with the attention part.
 
     ``forward(ids, mask=None)`` (mask: True = real token, None: all) is the
     inference path; ``forward_backward(ids, mask=None)`` → ``(logits,
@@ -84,7 +89,8 @@ class TextClassifier(Layer):
     def __init__(self, vocab_size, num_classes=2, embed_dim=128, *, num_heads=4, num_layers=1,
                  ff_dim=256, dropout=0.1, activation="relu", norm_first=False, max_len=512,
                  positions="learned", rnn_hidden=0, ngram_buckets=0, ngram_orders=(2,),
-                 attn_dim=64, hops=1, penalty=0.0, padding_idx=0, seed=None, dtype=np.float32):
+                 attn_dim=64, hops=1, penalty=0.0, wide_buckets=0, padding_idx=0, seed=None,
+                 dtype=np.float32):
         V = check_int(vocab_size, "vocab_size")
         C = check_int(num_classes, "num_classes")
         E = check_int(embed_dim, "embed_dim")
@@ -100,6 +106,7 @@ class TextClassifier(Layer):
         rh = check_int(rnn_hidden, "rnn_hidden", 0)
         nb = check_int(ngram_buckets, "ngram_buckets", 0)
         orders = _check_orders(ngram_orders)
+        wb = check_int(wide_buckets, "wide_buckets", 0)
         da = check_int(attn_dim, "attn_dim")
         r = check_int(hops, "hops")
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating)) \
@@ -117,7 +124,8 @@ class TextClassifier(Layer):
                             num_layers=nl, ff_dim=ff, dropout=p, activation=activation,
                             norm_first=norm_first, max_len=n, positions=positions,
                             rnn_hidden=rh, ngram_buckets=nb, ngram_orders=list(orders),
-                            attn_dim=da, hops=r, penalty=float(penalty), padding_idx=pad,
+                            attn_dim=da, hops=r, penalty=float(penalty), wide_buckets=wb,
+                            padding_idx=pad,
                             seed=_config_seed(seed), dtype=dt.name)
         rng = _rng(seed)
         self.embedding = Embedding(V, E, padding_idx=pad, seed=rng, dtype=dt)
@@ -138,6 +146,10 @@ class TextClassifier(Layer):
         self.pool = AttentionPooling(d_model, da, r, seed=rng, dtype=dt)
         self.head_dropout = Dropout(p, seed=rng)
         self.head = Linear(r * d_model, C, seed=rng, dtype=dt)
+        # rows: the token ids (padding's row unused), then 1 + the n-gram buckets; zeros at init
+        self.wide = Embedding(V + wb, C, padding_idx=pad, seed=rng, dtype=dt) if wb else None
+        if self.wide is not None:
+            self.wide._params["weight"][...] = 0
         self._params = {}
 
     def _children(self):
@@ -152,7 +164,34 @@ class TextClassifier(Layer):
         if self.encoder is not None:
             c["encoder"] = self.encoder
         c.update(pool=self.pool, head_dropout=self.head_dropout, head=self.head)
+        if self.wide is not None:
+            c["wide"] = self.wide
         return c
+
+    def _wide_ids(self, ids, mask):
+        """``(1 + len(orders), B, L)`` rows of the wide table: the token ids,
+        then V - 1 + each n-gram's bucket (the padding row where none)."""
+        c = self._config
+        V, pad = c["vocab_size"], c["padding_idx"]
+        grams = hash_ngrams(ids, mask, c["ngram_orders"], c["wide_buckets"])
+        rows = np.where(grams > 0, grams + (V - 1), pad)
+        return np.concatenate([ids[None], rows])
+
+    def _wide_forward(self, ids, mask, backward=False):
+        """The wide logits ``(B, C)`` (and their backprop when ``backward``)."""
+        rows = self._wide_ids(ids, mask)
+        real = (rows != self._config["padding_idx"]) & mask[None]
+        inv = 1.0 / np.maximum(mask.sum(1), 1)                           # (B,)
+        if backward:
+            e, b = self.wide.forward_backward(rows)
+        else:
+            e, b = self.wide(rows), None
+        w = (real * inv[None, :, None]).astype(e.dtype)                   # (k, B, L)
+        out = np.einsum("kbl,kblc->bc", w, e)
+
+        def backprop(g):
+            b(w[..., None] * np.asarray(g, e.dtype)[None, :, None, :])
+        return out, backprop
 
     # ------------------------------------------------------------- inputs
     def _ids_mask(self, ids, mask):
@@ -208,6 +247,8 @@ class TextClassifier(Layer):
             x = self.encoder(x, key_mask=mask)
         pooled, w = self.pool(x, mask, return_weights=True)
         logits = self.head(self.head_dropout(pooled))
+        if self.wide is not None:
+            logits = logits + self._wide_forward(ids, mask)[0]
         return (logits, w) if return_weights else logits
 
     def forward_backward(self, ids, mask=None):
@@ -237,8 +278,14 @@ class TextClassifier(Layer):
         self.last_penalty = P
         h, b_hd = self.head_dropout.forward_backward(pooled)
         logits, b_head = self.head.forward_backward(h)
+        b_wide = None
+        if self.wide is not None:
+            wl, b_wide = self._wide_forward(ids, mask, backward=True)
+            logits = logits + wl
 
         def backprop(grad_logits):
+            if b_wide is not None:
+                b_wide(grad_logits)
             (g,) = b_head(grad_logits)
             (g,) = b_hd(g)
             g, _ = b_pool(g)

@@ -64,15 +64,22 @@ def _torch_logits(m, ids, mask):
     pen = a @ a.transpose(1, 2) - torch.eye(c["hops"], dtype=torch.float64)
     P = (pen * pen).sum((1, 2)).mean()
     logits = (a @ x).flatten(1) @ sd["head.weight"].T + sd["head.bias"]
+    if c["wide_buckets"]:
+        rows = m._wide_ids(ids, mask)
+        real = torch.from_numpy((rows != 0) & mask[None])
+        per = sd["wide.weight"][torch.from_numpy(rows)] * real[..., None]
+        logits = logits + per.sum((0, 2)) / mt.sum(1, keepdim=True)
     return logits, P, sd
 
 
 @pytest.mark.parametrize("kw", [{}, {"penalty": 0.3}, {"rnn_hidden": 4, "num_layers": 1},
                                 {"ngram_buckets": 0, "num_layers": 2},
-                                {"num_layers": 0, "hops": 1}],
-                         ids=["ngrams", "penalty", "bigru", "two-layers", "pool-only"])
+                                {"num_layers": 0, "hops": 1}, {"wide_buckets": 13}],
+                         ids=["ngrams", "penalty", "bigru", "two-layers", "pool-only", "wide"])
 def test_matches_torch_autograd(kw, rng):
     m = _model(**kw)
+    if m.wide is not None:   # non-zero wide scores (zeros at init)
+        m.wide._params["weight"][...] = rng.standard_normal(m.wide._params["weight"].shape)
     ids, mask = _ids(rng)
     logits, backprop = m.forward_backward(ids, mask)
     g = rng.standard_normal(logits.shape)
@@ -84,7 +91,7 @@ def test_matches_torch_autograd(kw, rng):
     for name, grad in m.named_grads():
         want = sd[name].grad
         want = np.zeros_like(grad) if want is None else want.numpy()
-        if name == "embedding.weight":
+        if name in ("embedding.weight", "wide.weight"):
             want[0] = 0   # padding_idx gets no gradient (torch's lookup above gives it some)
         np.testing.assert_allclose(grad, want, rtol=1e-9, atol=1e-11, err_msg=name)
 
@@ -92,14 +99,15 @@ def test_matches_torch_autograd(kw, rng):
 def test_finite_differences(rng):
     # no penalty: the value checked is <g, logits> (the penalty's gradient is
     # checked against torch above)
-    m = _model(rnn_hidden=3)
+    m = _model(rnn_hidden=3, wide_buckets=5)
     ids, mask = _ids(rng)
     errs = check_gradients(m, ids, mask, entries=4)
     assert errs and max(errs.values()) < 1e-5
 
 
 def test_padding_does_not_change_the_result(rng):
-    m = _model()
+    m = _model(wide_buckets=7)
+    m.wide._params["weight"][...] = rng.standard_normal(m.wide._params["weight"].shape)
     ids, mask = _ids(rng, L=6)
     wide = np.concatenate([ids, np.full((4, 3), 7)], 1)          # junk ids behind the mask
     wmask = np.concatenate([mask, np.zeros((4, 3), bool)], 1)

@@ -1,0 +1,177 @@
+"""The comparison: train.py's model, data, hyper-parameters, batches and
+epochs in PyTorch (``pip install torch==2.13.0``), same command line and
+same last JSON line (``"impl": "torch"``).  Not needed to use the example.
+
+    python train_torch.py --out model_torch/
+
+Same architecture as ``fastattn.layers.TextClassifier``: token + hashed
+n-gram embeddings, learned positions, ``nn.TransformerEncoderLayer``
+(batch_first, post-norm, relu; its attention-weight dropout off, as
+fastattn's streaming attention never holds the weights), Lin et al.'s
+attention pooling, a linear head; AdamW, warm-up + cosine, gradient norm
+clipping -- and the same batches (fastattn's ``bucket_batches``, NumPy).
+Writes ``model.pt`` (a state dict) with the vocabulary.
+"""
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastattn import train as fa_train
+from fastattn.layers.classifier import hash_ngrams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+from train import load_data, parse_args, peak_rss_mb  # noqa: E402
+
+
+class TorchClassifier(nn.Module):
+    def __init__(self, vocab_size, num_classes, embed_dim, num_heads, num_layers, ff_dim, dropout,
+                 ngram_buckets, ngram_orders, attn_dim, hops, max_len, wide_buckets=0, **unused):
+        super().__init__()
+        if unused.get("rnn_hidden") or unused.get("positions") not in ("learned", None) \
+                or unused.get("penalty"):
+            raise SystemExit(f"train_torch.py implements rnn_hidden=0, learned positions and no "
+                             f"penalty only, got {unused}")
+        E = embed_dim
+        self.orders, self.buckets = list(ngram_orders), ngram_buckets
+        self.embedding = nn.Embedding(vocab_size, E, padding_idx=C.PAD)
+        self.ngrams = nn.Embedding(ngram_buckets + 1, E, padding_idx=0) if ngram_buckets else None
+        self.positions = nn.Parameter(torch.randn(max_len, E) / math.sqrt(E))
+        with torch.no_grad():
+            for emb in (self.embedding, self.ngrams):
+                if emb is not None:
+                    emb.weight.mul_(1 / math.sqrt(E))
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(E, num_heads, ff_dim, dropout, batch_first=True)
+        layer.self_attn.dropout = 0.0
+        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False) \
+            if num_layers else None
+        self.W_s1 = nn.Linear(E, attn_dim, bias=False)
+        self.W_s2 = nn.Linear(attn_dim, hops, bias=False)
+        self.head_dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(hops * E, num_classes)
+        self.wide = nn.Embedding(vocab_size + wide_buckets, num_classes, padding_idx=C.PAD) \
+            if wide_buckets else None
+        if self.wide is not None:
+            with torch.no_grad():
+                self.wide.weight.zero_()
+
+    def forward(self, ids, mask, grams, wide_rows=None):
+        x = self.embedding(ids)
+        if self.ngrams is not None:
+            for g in grams:
+                x = x + self.ngrams(g)
+        x = self.dropout(x + self.positions[:ids.shape[1]])
+        if self.encoder is not None:
+            x = self.encoder(x, src_key_padding_mask=~mask)
+        s = self.W_s2(torch.tanh(self.W_s1(x))).transpose(1, 2)        # (B, r, L)
+        a = torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+        logits = self.head(self.head_dropout((a @ x).flatten(1)))
+        if self.wide is not None:   # the mean over the tokens of their and their n-grams' scores
+            w = self.wide(wide_rows) * ((wide_rows != C.PAD) & mask[None])[..., None]
+            logits = logits + w.sum((0, 2)) / mask.sum(1, keepdim=True)
+        return logits
+
+
+def main(argv=None):
+    a, hp, tr = parse_args(argv, __doc__)
+    torch.manual_seed(a.seed)
+    n_threads = a.threads or torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    data, source = load_data(a)
+    toks = {k: [C.tokenize(t, a.tokens) for t in texts] for k, (_, texts) in data.items()}
+    vocab = C.build_vocab(toks["train"])
+    seqs = {k: C.encode(v, vocab) for k, v in toks.items()}
+    labels = {k: y for k, (y, _) in data.items()}
+    print(f"data: {source}; train {len(labels['train'])}, valid {len(labels['valid'])}, "
+          f"test {len(labels['test'])}; vocab {len(vocab)} {a.tokens} tokens", file=sys.stderr)
+
+    model = TorchClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, **hp)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
+    bs = tr["batch_size"]
+    steps = tr["epochs"] * sum(1 for _ in range(0, len(seqs["train"]), bs))
+    warm = int(tr["warmup"] * steps)
+
+    def lr_at(t):   # fastattn.optim.WarmupCosine's formula (eta_min 0)
+        if t < warm:
+            return t / warm
+        p = min(1.0, (t - warm) / (steps - warm)) if steps > warm else 1.0
+        return (1 + math.cos(math.pi * p)) / 2
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+    def tensors(batch):
+        ids, mask, y = batch
+        grams = hash_ngrams(ids, mask, hp["ngram_orders"], hp["ngram_buckets"]) \
+            if hp["ngram_buckets"] else []
+        wide = None
+        if hp.get("wide_buckets"):   # TextClassifier's wide rows: ids, then V - 1 + bucket
+            wg = hash_ngrams(ids, mask, hp["ngram_orders"], hp["wide_buckets"])
+            wide = torch.from_numpy(np.concatenate(
+                [ids[None], np.where(wg > 0, wg + (len(vocab) - 1), C.PAD)]))
+        return (torch.from_numpy(ids), torch.from_numpy(mask),
+                [torch.from_numpy(g) for g in grams], wide, torch.from_numpy(np.asarray(y)))
+
+    def evaluate(k):
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for batch in fa_train.bucket_batches(seqs[k], labels[k], batch_size=128, shuffle=False):
+                ids, mask, grams, wide, y = tensors(batch)
+                correct += int((model(ids, mask, grams, wide).argmax(-1) == y).sum())
+        model.train()
+        return correct / len(labels[k])
+
+    best, best_state, best_epoch = -1.0, None, 0
+    t0 = time.perf_counter()
+    for epoch in range(tr["epochs"]):
+        te = time.perf_counter()
+        model.train()
+        total, n = 0.0, 0
+        for batch in fa_train.bucket_batches(seqs["train"], labels["train"], batch_size=bs,
+                                             seed=a.seed * 1000 + epoch):
+            ids, mask, grams, wide, y = tensors(batch)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(ids, mask, grams, wide), y,
+                                               label_smoothing=tr["label_smoothing"])
+            loss.backward()
+            if tr["clip"]:
+                nn.utils.clip_grad_norm_(model.parameters(), tr["clip"])
+            opt.step()
+            sched.step()
+            total += loss.item() * len(y)
+            n += len(y)
+        acc = evaluate("valid")
+        if acc > best:
+            best, best_epoch = acc, epoch
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        print(f"epoch {epoch + 1}/{tr['epochs']}: loss {total / n:.4f}, valid accuracy {acc:.4f}, "
+              f"{time.perf_counter() - te:.1f} s", file=sys.stderr)
+    model.load_state_dict(best_state)
+    train_s = time.perf_counter() - t0
+    test = evaluate("test")
+
+    os.makedirs(a.out, exist_ok=True)
+    torch.save(model.state_dict(), os.path.join(a.out, "model.pt"))
+    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed,
+                                          "impl": "torch"})
+    result = {"test_acc": round(test, 4), "valid_acc": round(best, 4), "train_s": round(train_s, 1),
+              "epochs": tr["epochs"], "best_epoch": best_epoch + 1, "n_params": n_params,
+              "threads": n_threads, "seed": a.seed, "tokens": a.tokens,
+              "n_train": len(labels["train"]), "peak_rss_mb": peak_rss_mb(), "impl": "torch",
+              "out": a.out}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except C.DataError as exc:
+        sys.exit(f"error: {exc}")
