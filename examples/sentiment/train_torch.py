@@ -32,7 +32,8 @@ from train import load_data, parse_args, peak_rss_mb  # noqa: E402
 
 class TorchClassifier(nn.Module):
     def __init__(self, vocab_size, num_classes, embed_dim, num_heads, num_layers, ff_dim, dropout,
-                 ngram_buckets, ngram_orders, attn_dim, hops, max_len, wide_buckets=0, **unused):
+                 ngram_buckets, ngram_orders, attn_dim, hops, max_len, wide_buckets=0,
+                 wide_scale=1.0, wide_dropout=0.0, **unused):
         super().__init__()
         if unused.get("rnn_hidden") or unused.get("positions") not in ("learned", None) \
                 or unused.get("penalty"):
@@ -56,6 +57,8 @@ class TorchClassifier(nn.Module):
         self.W_s2 = nn.Linear(attn_dim, hops, bias=False)
         self.head_dropout = nn.Dropout(dropout)
         self.head = nn.Linear(hops * E, num_classes)
+        self.wide_scale = wide_scale
+        self.wide_dropout = nn.Dropout(wide_dropout)
         self.wide = nn.Embedding(vocab_size + wide_buckets, num_classes, padding_idx=C.PAD) \
             if wide_buckets else None
         if self.wide is not None:
@@ -74,8 +77,9 @@ class TorchClassifier(nn.Module):
         a = torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
         logits = self.head(self.head_dropout((a @ x).flatten(1)))
         if self.wide is not None:   # the mean over the tokens of their and their n-grams' scores
-            w = self.wide(wide_rows) * ((wide_rows != C.PAD) & mask[None])[..., None]
-            logits = logits + w.sum((0, 2)) / mask.sum(1, keepdim=True)
+            real = ((wide_rows != C.PAD) & mask[None]).to(logits.dtype)
+            w = self.wide_dropout(real * (self.wide_scale / mask.sum(1))[None, :, None])
+            logits = logits + torch.einsum("kbl,kblc->bc", w, self.wide(wide_rows))
         return logits
 
 

@@ -78,8 +78,13 @@ class TextClassifier(Layer):
     ``wide_buckets > 0`` adds a "wide" part (Cheng et al. 2016's wide & deep;
     fastText's linear classifier): a class-score vector per token id and per
     hashed n-gram (``ngram_orders``, ``wide_buckets`` buckets of their own),
-    averaged over the real tokens and added to the logits -- a linear model
-    over the bag of n-grams, trained jointly with the attention part.
+    averaged over the real tokens, times ``wide_scale``, and added to the
+    logits -- a linear model over the bag of n-grams, trained jointly with the
+    attention part; ``wide_dropout`` drops each of those scores with that
+    probability in training (the others scaled up).  With Adam a parameter moves by about ``lr`` a step
+    whatever its gradient's size, so ``wide_scale`` is the wide part's
+    learning rate relative to the rest's (in logit units): its scores start at
+    zero and need many times the deep part's rate to matter.
 
     ``forward(ids, mask=None)`` (mask: True = real token, None: all) is the
     inference path; ``forward_backward(ids, mask=None)`` → ``(logits,
@@ -89,8 +94,8 @@ class TextClassifier(Layer):
     def __init__(self, vocab_size, num_classes=2, embed_dim=128, *, num_heads=4, num_layers=1,
                  ff_dim=256, dropout=0.1, activation="relu", norm_first=False, max_len=512,
                  positions="learned", rnn_hidden=0, ngram_buckets=0, ngram_orders=(2,),
-                 attn_dim=64, hops=1, penalty=0.0, wide_buckets=0, padding_idx=0, seed=None,
-                 dtype=np.float32):
+                 attn_dim=64, hops=1, penalty=0.0, wide_buckets=0, wide_scale=1.0, wide_dropout=0.0,
+                 padding_idx=0, seed=None, dtype=np.float32):
         V = check_int(vocab_size, "vocab_size")
         C = check_int(num_classes, "num_classes")
         E = check_int(embed_dim, "embed_dim")
@@ -107,6 +112,10 @@ class TextClassifier(Layer):
         nb = check_int(ngram_buckets, "ngram_buckets", 0)
         orders = _check_orders(ngram_orders)
         wb = check_int(wide_buckets, "wide_buckets", 0)
+        if isinstance(wide_scale, bool) or not isinstance(wide_scale, (int, float, np.floating)) \
+                or not (0 < wide_scale < np.inf):
+            raise ValueError(f"wide_scale: expected a finite number > 0, got {wide_scale!r}")
+        wp = _check_p(wide_dropout, "wide_dropout")
         da = check_int(attn_dim, "attn_dim")
         r = check_int(hops, "hops")
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating)) \
@@ -125,7 +134,7 @@ class TextClassifier(Layer):
                             norm_first=norm_first, max_len=n, positions=positions,
                             rnn_hidden=rh, ngram_buckets=nb, ngram_orders=list(orders),
                             attn_dim=da, hops=r, penalty=float(penalty), wide_buckets=wb,
-                            padding_idx=pad,
+                            wide_scale=float(wide_scale), wide_dropout=wp, padding_idx=pad,
                             seed=_config_seed(seed), dtype=dt.name)
         rng = _rng(seed)
         self.embedding = Embedding(V, E, padding_idx=pad, seed=rng, dtype=dt)
@@ -150,6 +159,7 @@ class TextClassifier(Layer):
         self.wide = Embedding(V + wb, C, padding_idx=pad, seed=rng, dtype=dt) if wb else None
         if self.wide is not None:
             self.wide._params["weight"][...] = 0
+        self.wide_dropout = Dropout(wp, seed=rng) if wb else None
         self._params = {}
 
     def _children(self):
@@ -166,6 +176,7 @@ class TextClassifier(Layer):
         c.update(pool=self.pool, head_dropout=self.head_dropout, head=self.head)
         if self.wide is not None:
             c["wide"] = self.wide
+            c["wide_dropout"] = self.wide_dropout
         return c
 
     def _wide_ids(self, ids, mask):
@@ -181,12 +192,13 @@ class TextClassifier(Layer):
         """The wide logits ``(B, C)`` (and their backprop when ``backward``)."""
         rows = self._wide_ids(ids, mask)
         real = (rows != self._config["padding_idx"]) & mask[None]
-        inv = 1.0 / np.maximum(mask.sum(1), 1)                           # (B,)
+        inv = self._config["wide_scale"] / np.maximum(mask.sum(1), 1)    # (B,)
         if backward:
             e, b = self.wide.forward_backward(rows)
         else:
             e, b = self.wide(rows), None
         w = (real * inv[None, :, None]).astype(e.dtype)                   # (k, B, L)
+        w = self.wide_dropout(w)     # training: each token's / n-gram's score dropped with p
         out = np.einsum("kbl,kblc->bc", w, e)
 
         def backprop(g):

@@ -176,3 +176,41 @@ def test_train_torch_same_command_line_and_json(tmp_path):
     assert res["impl"] == "torch" and res["epochs"] == 8
     assert res["test_acc"] >= 0.95, res
     assert sorted(os.listdir(tmp_path / "m")) == ["meta.json", "model.pt", "vocab.json"]
+
+
+def test_train_torch_model_is_textclassifiers_math():
+    """train_torch.TorchClassifier with TextClassifier's weights gives its
+    logits (eval mode): the comparison trains the same function."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, EXAMPLE)
+    try:
+        import common
+        from train_torch import TorchClassifier
+    finally:
+        sys.path.remove(EXAMPLE)
+    from fastattn.layers import TextClassifier
+    from fastattn.layers.classifier import hash_ngrams
+    hp = dict(common.HPARAMS, embed_dim=16, ff_dim=24, ngram_buckets=50, wide_buckets=70,
+              attn_dim=8)
+    V = 40
+    fa = TextClassifier(V, 2, max_len=32, seed=3, **hp)
+    rng = np.random.default_rng(1)
+    fa.wide._params["weight"][...] = rng.standard_normal((V + 70, 2)).astype(np.float32) * 0.01
+    t = TorchClassifier(V, 2, max_len=32, **hp)
+    sd = dict(fa.named_parameters())
+    rename = {"positions": "positions.weight", "W_s1.weight": "pool.W_s1", "W_s2.weight": "pool.W_s2"}
+    with torch.no_grad():
+        for n, p in t.named_parameters():
+            p.copy_(torch.from_numpy(sd[rename.get(n, n)]))
+    lengths = np.array([9, 4, 1])
+    mask = np.arange(9)[None, :] < lengths[:, None]
+    ids = np.where(mask, rng.integers(2, V, (3, 9)), 0)
+    grams = hash_ngrams(ids, mask, hp["ngram_orders"], hp["ngram_buckets"])
+    wg = hash_ngrams(ids, mask, hp["ngram_orders"], hp["wide_buckets"])
+    wide = np.concatenate([ids[None], np.where(wg > 0, wg + (V - 1), 0)])
+    fa.eval()
+    t.eval()
+    with torch.no_grad():
+        want = t(torch.from_numpy(ids), torch.from_numpy(mask), [torch.from_numpy(g) for g in grams],
+                 torch.from_numpy(wide)).numpy()
+    np.testing.assert_allclose(fa(ids, mask), want, rtol=1e-4, atol=1e-5)

@@ -68,13 +68,13 @@ def _torch_logits(m, ids, mask):
         rows = m._wide_ids(ids, mask)
         real = torch.from_numpy((rows != 0) & mask[None])
         per = sd["wide.weight"][torch.from_numpy(rows)] * real[..., None]
-        logits = logits + per.sum((0, 2)) / mt.sum(1, keepdim=True)
+        logits = logits + c["wide_scale"] * per.sum((0, 2)) / mt.sum(1, keepdim=True)
     return logits, P, sd
 
 
 @pytest.mark.parametrize("kw", [{}, {"penalty": 0.3}, {"rnn_hidden": 4, "num_layers": 1},
                                 {"ngram_buckets": 0, "num_layers": 2},
-                                {"num_layers": 0, "hops": 1}, {"wide_buckets": 13}],
+                                {"num_layers": 0, "hops": 1}, {"wide_buckets": 13, "wide_scale": 7.5}],
                          ids=["ngrams", "penalty", "bigru", "two-layers", "pool-only", "wide"])
 def test_matches_torch_autograd(kw, rng):
     m = _model(**kw)
@@ -121,8 +121,11 @@ def test_padding_does_not_change_the_result(rng):
     assert np.all(w[~mask] == 0)
 
 
-def test_inference_equals_training_forward_without_dropout(rng):
-    m = _model(dropout=0.3)
+@pytest.mark.parametrize("kw", [dict(dropout=0.3), dict(wide_buckets=9, wide_dropout=0.5)])
+def test_inference_equals_training_forward_without_dropout(kw, rng):
+    m = _model(**kw)
+    if m.wide is not None:
+        m.wide._params["weight"][...] = rng.standard_normal(m.wide._params["weight"].shape)
     ids, mask = _ids(rng)
     m.eval()
     logits, _ = m.forward_backward(ids, mask)
@@ -171,6 +174,8 @@ def test_hash_ngrams_values():
     (dict(penalty=-1.0), ValueError, "penalty"),
     (dict(dropout=1.0), ValueError, "dropout"),
     (dict(num_layers=-1), ValueError, "num_layers"),
+    (dict(wide_scale=0.0), ValueError, "wide_scale"),
+    (dict(wide_scale=True), ValueError, "wide_scale"),
 ])
 def test_bad_config(bad, exc, msg):
     with pytest.raises(exc, match=msg):
