@@ -469,9 +469,22 @@ def _norm_type(value) -> float:
     return v
 
 
+#: elements converted to float64 at a time by _vector_norm's 2-norm (stays in cache)
+_NORM_CHUNK = 1 << 15
+
+
 def _vector_norm(a, p) -> float:
-    """The p-norm of ``a``'s entries in float64 (NaN propagates)."""
-    a = np.asarray(a, dtype=np.float64).ravel()
+    """The p-norm of ``a``'s entries in float64 (NaN propagates).  The 2-norm
+    of a float32 array converts it in chunks (no float64 copy of the whole)."""
+    a = np.asarray(a)
+    if p == 2.0 and a.dtype != np.float64 and a.size > _NORM_CHUNK:
+        flat = a.reshape(-1)
+        total = 0.0
+        for i in range(0, flat.size, _NORM_CHUNK):
+            c = flat[i:i + _NORM_CHUNK].astype(np.float64)
+            total += float(np.dot(c, c))
+        return math.sqrt(total)
+    a = a.astype(np.float64, copy=False).ravel()
     if a.size == 0:
         return 0.0
     if p == math.inf:

@@ -462,6 +462,21 @@ def test_clip_grad_norm_float32_gradients_stay_float32():
     np.testing.assert_allclose(g, 0.5, rtol=1e-6)
 
 
+def test_clip_grad_norm_large_float32_is_the_float64_norm(rng):
+    """Past one conversion chunk the float32 2-norm is summed chunk by chunk in
+    float64: the float64 norm of the float32 values, to rounding; NaN and inf
+    in a late chunk still propagate."""
+    g = (rng.standard_normal(3 * optim._NORM_CHUNK + 17) * 1e3).astype(np.float32)
+    want = float(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
+    total = optim.clip_grad_norm([("p", np.zeros_like(g), g.copy())], 1e30)
+    assert total == pytest.approx(want, rel=1e-13)
+    for bad in (np.nan, np.inf):
+        b = g.copy()
+        b[-1] = bad
+        got = optim.clip_grad_norm([("p", np.zeros_like(b), b)], 1e30)
+        assert np.isnan(got) if np.isnan(bad) else got == np.inf
+
+
 # ------------------------------------------------------------------ schedules
 def _lrs(make_ours, make_torch, steps, base_lr=0.1):
     opt = optim.SGD([("p", np.zeros(1), np.zeros(1))], lr=base_lr)
