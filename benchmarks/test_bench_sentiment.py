@@ -70,11 +70,14 @@ def _torch_model(fa):
 def _torch_inputs(ids, mask):
     from fastattn.layers.classifier import hash_ngrams
     hp = C.HPARAMS
-    grams = hash_ngrams(ids, mask, hp["ngram_orders"], hp["ngram_buckets"])
-    wg = hash_ngrams(ids, mask, hp["ngram_orders"], hp["wide_buckets"])
-    wide = np.concatenate([ids[None], np.where(wg > 0, wg + (V - 1), 0)])
+    grams = hash_ngrams(ids, mask, hp["ngram_orders"], hp["ngram_buckets"]) \
+        if hp["ngram_buckets"] else []
+    wide = None
+    if hp["wide_buckets"]:
+        wg = hash_ngrams(ids, mask, hp["ngram_orders"], hp["wide_buckets"])
+        wide = torch.from_numpy(np.concatenate([ids[None], np.where(wg > 0, wg + (V - 1), 0)]))
     return (torch.from_numpy(ids), torch.from_numpy(mask), [torch.from_numpy(g) for g in grams],
-            torch.from_numpy(wide))
+            wide)
 
 
 def _params(group):

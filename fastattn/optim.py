@@ -469,28 +469,31 @@ def _norm_type(value) -> float:
     return v
 
 
-#: elements converted to float64 at a time by _vector_norm's 2-norm (stays in cache)
+#: elements squared and summed at a time by _vector_norm's 2-norm (stays in cache)
 _NORM_CHUNK = 1 << 15
 
 
 def _vector_norm(a, p) -> float:
-    """The p-norm of ``a``'s entries in float64 (NaN propagates).  The 2-norm
-    of a float32 array converts it in chunks (no float64 copy of the whole)."""
-    a = np.asarray(a)
-    if p == 2.0 and a.dtype != np.float64 and a.size > _NORM_CHUNK:
-        flat = a.reshape(-1)
-        total = 0.0
-        for i in range(0, flat.size, _NORM_CHUNK):
-            c = flat[i:i + _NORM_CHUNK].astype(np.float64)
-            total += float(np.dot(c, c))
-        return math.sqrt(total)
-    a = a.astype(np.float64, copy=False).ravel()
+    """The p-norm of ``a``'s entries in float64 (NaN propagates).
+
+    The 2-norm squares and sums chunks of float64 copies with NumPy's pairwise
+    sum -- not ``np.dot``: OpenBLAS's ddot starts its own threads on long
+    vectors, outside fastattn's thread setting (two processes at 1 thread
+    each then ran 3x slower, measured), and a float32 gradient is never copied
+    to float64 whole."""
+    a = np.asarray(a).reshape(-1)
     if a.size == 0:
         return 0.0
+    if p == 2.0:
+        total = 0.0
+        for i in range(0, a.size, _NORM_CHUNK):
+            c = a[i:i + _NORM_CHUNK].astype(np.float64)
+            np.multiply(c, c, out=c)
+            total += float(np.add.reduce(c))
+        return math.sqrt(total)
+    a = a.astype(np.float64, copy=False)
     if p == math.inf:
         return float(np.max(np.abs(a)))
-    if p == 2.0:
-        return float(np.sqrt(np.dot(a, a)))
     if p == 1.0:
         return float(np.sum(np.abs(a)))
     return float(np.sum(np.abs(a) ** p) ** (1.0 / p))

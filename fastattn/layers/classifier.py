@@ -42,8 +42,14 @@ def hash_ngrams(ids, mask, orders, buckets):
 
     The hash: ``h = (h * 1000003 + id + 1) mod 2**64`` over the n ids, oldest
     first, then ``1 + h mod buckets``; deterministic across machines."""
+    buckets = check_int(buckets, "buckets")
+    orders = _check_orders(orders)
     ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" or ids.ndim != 2:
+        raise ValueError(f"ids: expected a 2-d integer array (B, L), got {ids.dtype} {ids.shape}")
     mask = np.asarray(mask, dtype=bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"mask: expected the shape of ids {ids.shape}, got {mask.shape}")
     B, L = ids.shape
     out = []
     with np.errstate(over="ignore"):

@@ -164,6 +164,10 @@ def test_hash_ngrams_values():
     assert bi[0, 0] == 0 and bi[0, 3] == 0          # no bigram before the start; padding
     h = lambda a, b: 1 + (((a + 1) * M + (b + 1)) % 2 ** 64) % 1000  # noqa: E731
     assert bi[0, 1] == h(5, 6) and bi[0, 2] == h(6, 7)
+    with pytest.raises(ValueError, match="buckets"):
+        hash_ngrams(ids, mask, (2,), 0)
+    with pytest.raises(ValueError, match="ngram_orders"):
+        hash_ngrams(ids, mask, (1,), 10)
 
 
 @pytest.mark.parametrize("bad, exc, msg", [
