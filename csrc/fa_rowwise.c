@@ -244,3 +244,21 @@ void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_
             d[j] += s[j];
     }
 }
+
+/* ------------------------------------------------------------- sum of squares */
+#define FA_SUMSQ_BODY(T)                                                        \
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                      \
+    int64_t i = 0;                                                              \
+    for (; i + 4 <= n; i += 4) {                                                \
+        double a = (double)x[i], b = (double)x[i + 1];                          \
+        double c = (double)x[i + 2], d = (double)x[i + 3];                      \
+        s0 += a * a; s1 += b * b; s2 += c * c; s3 += d * d;                     \
+    }                                                                           \
+    for (; i < n; i++) {                                                        \
+        double a = (double)x[i];                                                \
+        s0 += a * a;                                                            \
+    }                                                                           \
+    return (s0 + s1) + (s2 + s3);
+
+double fa_sumsq_f32(int64_t n, const float *x) { FA_SUMSQ_BODY(float) }
+double fa_sumsq_f64(int64_t n, const double *x) { FA_SUMSQ_BODY(double) }

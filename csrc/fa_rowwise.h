@@ -65,6 +65,12 @@ void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out);
 void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc);
 void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc);
 
+/* The sum of x[i]^2, i < n, in double: four running sums over i mod 4, in
+ * order, added at the end (a fixed order: the same bits on every call; NaN
+ * and inf propagate).  A gradient's squared 2-norm. */
+double fa_sumsq_f32(int64_t n, const float *x);
+double fa_sumsq_f64(int64_t n, const double *x);
+
 /* dst[ids[r] * E + j] += src[r * E + j] for r < rows in order, j < E (an
  * embedding's backward: repeated ids summed one after the other in the
  * order they come, as numpy.add.at does; ids already checked in [0, n)).

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _rowwise, _threads
 
-__all__ = ["adam_update"]
+__all__ = ["adam_update", "sum_squares"]
 
 def _kernel_threads(n_threads):
     """The thread count for fastattn._rowwise, its pool installed once."""
@@ -57,3 +57,25 @@ def adam_update(p, g, m, v, vmax, *, step, lr, betas, eps, weight_decay, decoupl
     denom = np.sqrt(v) / bc2_sqrt
     denom += eps
     p -= step_size * (m / denom)
+
+
+def sum_squares(a, n_threads=None):
+    """The sum of ``a``'s squared entries in float64 (a float): fixed chunks in
+    C (fastattn._rowwise.sumsq, fastattn's threads) for a C-contiguous aligned
+    float32 / float64 array, the chunks' sums added in order -- the same bits
+    for any thread count; NumPy (chunked float64 copies, pairwise sums) for the
+    rest.  Never NumPy's dot: OpenBLAS's ddot runs its own threads."""
+    a = np.asarray(a)
+    if a.size and a.dtype in (np.float32, np.float64) and a.flags.c_contiguous and a.flags.aligned:
+        flat = a.reshape(-1)
+        nt = _kernel_threads(n_threads)
+        parts = np.empty(-(-flat.size // _rowwise.sumsq_chunk()))
+        _rowwise.sumsq(flat, parts, nt)
+        return float(np.add.reduce(parts))
+    flat = a.reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, 1 << 15):
+        c = flat[i:i + (1 << 15)].astype(np.float64)
+        np.multiply(c, c, out=c)
+        total += float(np.add.reduce(c))
+    return total

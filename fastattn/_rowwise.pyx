@@ -45,6 +45,8 @@ cdef extern from "fa_rowwise.h" nogil:
     void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
     void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc)
     void fa_colsum_f64(int64_t rows, int64_t n, const double *x, int64_t ldx, double *acc)
+    double fa_sumsq_f32(int64_t n, const float *x)
+    double fa_sumsq_f64(int64_t n, const double *x)
     void fa_scatter_add_f32(int64_t rows, int64_t E, const float *src, const int64_t *ids,
                             float *dst)
     void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids,
@@ -368,3 +370,48 @@ def scatter_add(cnp.ndarray dst, cnp.ndarray src, cnp.ndarray ids):
             fa_scatter_add_f64(rows, E, <const double *>s, i, <double *>d)
         else:
             fa_scatter_add_f32(rows, E, <const float *>s, i, <float *>d)
+
+
+ctypedef struct sumsq_ctx:
+    int f64
+    int64_t n, chunk
+    char *x
+    double *parts
+
+
+cdef void _sumsq_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef sumsq_ctx *c = <sumsq_ctx *>vctx
+    cdef int64_t i0 = t * c.chunk
+    cdef int64_t n = c.n - i0
+    if n > c.chunk:
+        n = c.chunk
+    if c.f64:
+        c.parts[t] = fa_sumsq_f64(n, <double *>c.x + i0)
+    else:
+        c.parts[t] = fa_sumsq_f32(n, <float *>c.x + i0)
+
+
+def sumsq_chunk():
+    """Elements per part of :func:`sumsq` (a constant: the parts do not depend
+    on the thread count)."""
+    return 4 * CHUNK_ELEMS
+
+
+def sumsq(cnp.ndarray x, cnp.ndarray parts, int n_threads):
+    """parts[t] = the sum of squares (in double) of chunk t (sumsq_chunk()
+    elements) of x, 1-D C-contiguous aligned float32 / float64; parts float64
+    with one entry per chunk."""
+    cdef sumsq_ctx c
+    cdef int64_t ntasks, t
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.n = cnp.PyArray_DIMS(x)[0]
+    c.chunk = 4 * CHUNK_ELEMS
+    c.x = _ptr(x)
+    c.parts = <double *>_ptr(parts)
+    ntasks = (c.n + c.chunk - 1) // c.chunk
+    with nogil:
+        if n_threads > 1 and c.n >= PARALLEL_MIN and ntasks > 1:
+            runtime_run(&g_rt, ntasks, n_threads, _sumsq_task, &c, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _sumsq_task(&c, t, 0)

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._optim_ops import adam_update
+from ._optim_ops import adam_update, sum_squares
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm", "LRSchedule", "LambdaLR",
            "CosineAnnealingLR", "WarmupLinear", "WarmupCosine"]
@@ -469,29 +469,24 @@ def _norm_type(value) -> float:
     return v
 
 
-#: elements squared and summed at a time by _vector_norm's 2-norm (stays in cache)
+#: kept for the tests: the chunk of sum_squares's NumPy path
 _NORM_CHUNK = 1 << 15
 
 
 def _vector_norm(a, p) -> float:
     """The p-norm of ``a``'s entries in float64 (NaN propagates).
 
-    The 2-norm squares and sums chunks of float64 copies with NumPy's pairwise
-    sum -- not ``np.dot``: OpenBLAS's ddot starts its own threads on long
+    The 2-norm is :func:`fastattn._optim_ops.sum_squares` (C on fastattn's
+    threads) -- not ``np.dot``: OpenBLAS's ddot starts its own threads on long
     vectors, outside fastattn's thread setting (two processes at 1 thread
     each then ran 3x slower, measured), and a float32 gradient is never copied
     to float64 whole."""
-    a = np.asarray(a).reshape(-1)
+    a = np.asarray(a)
     if a.size == 0:
         return 0.0
     if p == 2.0:
-        total = 0.0
-        for i in range(0, a.size, _NORM_CHUNK):
-            c = a[i:i + _NORM_CHUNK].astype(np.float64)
-            np.multiply(c, c, out=c)
-            total += float(np.add.reduce(c))
-        return math.sqrt(total)
-    a = a.astype(np.float64, copy=False)
+        return math.sqrt(sum_squares(a))
+    a = a.astype(np.float64, copy=False).reshape(-1)
     if p == math.inf:
         return float(np.max(np.abs(a)))
     if p == 1.0:

@@ -20,8 +20,9 @@ MODEL_VERSION = 1
 
 #: the model's hyper-parameters (chosen on the validation split, README)
 HPARAMS = dict(embed_dim=128, num_heads=4, num_layers=1, ff_dim=256, dropout=0.3,
-               ngram_buckets=20_000, ngram_orders=[2, 3], attn_dim=64, hops=2,
-               penalty=0.0, positions="learned", rnn_hidden=0, wide_buckets=262_144)
+               ngram_buckets=0, ngram_orders=[2, 3], attn_dim=64, hops=2,
+               penalty=0.0, positions="learned", rnn_hidden=0, wide_buckets=1 << 20,
+               wide_scale=100.0, wide_dropout=0.1)
 TRAIN = dict(epochs=3, batch_size=32, lr=1e-3, weight_decay=0.01, warmup=0.05,
              clip=1.0, label_smoothing=0.0)
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 
-def parse_args(argv=None, prog_doc=__doc__):
+def parse_args(argv=None, prog_doc=__doc__, need_out=True):
     ap = argparse.ArgumentParser(description=prog_doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", help="training TSV (label<TAB>text); with --valid and --test")
@@ -40,7 +40,8 @@ def parse_args(argv=None, prog_doc=__doc__):
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a hyper-parameter of common.HPARAMS / common.TRAIN, "
                          "e.g. --set embed_dim=64 --set lr=3e-4")
-    ap.add_argument("--out", required=True, help="model directory to write")
+    if need_out:
+        ap.add_argument("--out", required=True, help="model directory to write")
     a = ap.parse_args(argv)
     files = [a.train, a.valid, a.test]
     if any(files) and not all(files):

@@ -475,6 +475,14 @@ def test_clip_grad_norm_large_float32_is_the_float64_norm(rng):
         b[-1] = bad
         got = optim.clip_grad_norm([("p", np.zeros_like(b), b)], 1e30)
         assert np.isnan(got) if np.isnan(bad) else got == np.inf
+    from fastattn._optim_ops import sum_squares
+    big = (rng.standard_normal(5 * 65536 + 3)).astype(np.float32)
+    one, two = sum_squares(big, 1), sum_squares(big, 2)
+    assert one == two                                          # the same bits on any thread count
+    assert one == pytest.approx(float(np.sum(big.astype(np.float64) ** 2)), rel=1e-13)
+    wide = np.zeros((big.size, 2), np.float32)
+    wide[:, 0] = big
+    assert sum_squares(wide[:, 0]) == pytest.approx(one, rel=1e-13)   # strided: the NumPy path
 
 
 # ------------------------------------------------------------------ schedules
