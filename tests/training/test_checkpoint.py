@@ -179,6 +179,12 @@ CASES = {
                                                                   norm_first=True, seed=8, dtype=dt),
                                         2, norm=True, seed=9),
         lambda m, rng: (m.eval()(rng.standard_normal((2, 4, 8)), is_causal=True),)),
+    "TextClassifier-wide-bigru": (
+        lambda dt: L.TextClassifier(11, 3, 8, num_heads=2, ff_dim=12, max_len=6, rnn_hidden=4,
+                                    ngram_buckets=5, wide_buckets=7, wide_scale=3.0, hops=2,
+                                    seed=4, dtype=dt),
+        lambda m, rng: m.eval()(np.array([[3, 4, 5, 0], [6, 7, 8, 9]]),
+                                np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool), return_weights=True)),
 }
 
 PUBLIC_LAYERS = sorted(n for n in L.__all__
@@ -349,7 +355,7 @@ def test_save_refuses_what_load_could_not_rebuild(tmp_path):
     class MyLinear(L.Linear):
         pass
 
-    with pytest.raises(TypeError, match=r"model: expected a layer of fastattn.layers \(Embedding, .*TransformerEncoder\), "
+    with pytest.raises(TypeError, match=r"model: expected a layer of fastattn.layers \(Embedding, .*TransformerEncoder, TextClassifier\), "
                                         r"got .*MyLinear \(a subclass of Linear: load could not rebuild it\)"):
         save(MyLinear(2, 2), tmp_path / "x")
     with pytest.raises(TypeError, match=r"model: expected a layer of fastattn.layers .* got builtins.dict$"):
@@ -412,7 +418,7 @@ def test_class_not_on_the_allow_list(ckpt, name):
     def edit(h, a):
         h["class"] = name
     with pytest.raises(ValueError, match=rf"unknown layer class {name!r}; expected one of \['Embedding', "
-                                         r"'Linear', .*'TransformerEncoder'\]"):
+                                         r"'Linear', .*'TransformerEncoder', 'TextClassifier'\]"):
         load(_tampered(ckpt, edit))
 
 
