@@ -225,24 +225,22 @@ ADAM_DEFINE(f32, float, sqrtf)
 ADAM_DEFINE(f64, double, sqrt)
 
 /* ------------------------------------------------------------ scatter-add */
+#define FA_SCATTER_ADD_BODY(T)                                                  \
+    for (int64_t r = 0; r < rows; r++) {                                        \
+        T *d = dst + ids[r] * E;                                                \
+        const T *s = src + r * E;                                               \
+        for (int64_t j = 0; j < E; j++)                                         \
+            d[j] += s[j];                                                       \
+    }
+
 void fa_scatter_add_f32(int64_t rows, int64_t E, const float *src, const int64_t *ids, float *dst)
 {
-    for (int64_t r = 0; r < rows; r++) {
-        float *d = dst + ids[r] * E;
-        const float *s = src + r * E;
-        for (int64_t j = 0; j < E; j++)
-            d[j] += s[j];
-    }
+    FA_SCATTER_ADD_BODY(float)
 }
 
 void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids, double *dst)
 {
-    for (int64_t r = 0; r < rows; r++) {
-        double *d = dst + ids[r] * E;
-        const double *s = src + r * E;
-        for (int64_t j = 0; j < E; j++)
-            d[j] += s[j];
-    }
+    FA_SCATTER_ADD_BODY(double)
 }
 
 /* ------------------------------------------------------------- sum of squares */

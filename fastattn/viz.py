@@ -20,20 +20,30 @@ import numpy as np
 __all__ = ["heatmap", "highlight", "highlight_tokens", "tokens_html"]
 
 
-def _weights_2d(weights, name="weights"):
+def _real_array(weights, name, ndim, what, sep=","):
+    """``weights`` as a finite float64 array of ``ndim`` dims (``what``: the
+    message's description of the expected array)."""
     try:
         w = np.asarray(weights)
     except Exception as exc:
         raise TypeError(f"{name}: expected an array of real numbers, got {type(weights).__name__} ({exc})") from None
     if w.dtype.kind not in "fiub":
         raise TypeError(f"{name}: expected real numbers, got dtype {w.dtype}")
-    if w.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-d array (Lq, Lk); got {w.ndim}-d array of shape {w.shape} "
-                         "(select one batch item / head first, e.g. weights[0])")
+    if w.ndim != ndim:
+        raise ValueError(f"{name}: expected {what}{sep} got {w.ndim}-d array of shape {w.shape}")
     w = w.astype(np.float64)
     if not np.all(np.isfinite(w)):
         raise ValueError(f"{name}: contains NaN or infinite values")
     return w
+
+
+def _weights_2d(weights, name="weights"):
+    try:
+        return _real_array(weights, name, 2, "a 2-d array (Lq, Lk)", sep=";")
+    except ValueError as exc:
+        if "-d array of shape" not in str(exc):
+            raise
+        raise ValueError(f"{exc} (select one batch item / head first, e.g. weights[0])") from None
 
 
 def _tokens(tokens, n, name, axis):
@@ -100,6 +110,23 @@ _ANSI = ("\x1b[1;97;41m", "\x1b[1;30;43m", "\x1b[30;46m")  # rank 1, 2, 3+ backg
 _RESET = "\x1b[0m"
 
 
+def _marked(w, toks, top_k, color):
+    """``(order, parts)``: the indices of the ``top_k`` largest positive weights
+    of ``w`` (largest first) and ``toks`` with those marked (ANSI colours by
+    rank, or ``[brackets]``)."""
+    order = [j for j in np.argsort(-w, kind="stable")[:top_k] if w[j] > 0]
+    rank = {j: r for r, j in enumerate(order)}
+    parts = []
+    for j, tok in enumerate(toks):
+        if j not in rank:
+            parts.append(tok)
+        elif color:
+            parts.append(f"{_ANSI[min(rank[j], 2)]}{tok}{_RESET}")
+        else:
+            parts.append(f"[{tok}]")
+    return order, parts
+
+
 def highlight(weights, query_tokens, key_tokens, top_k=3, *, color=False, show_weights=True,
               decimals=2):
     """A terminal rendering of ``weights (Lq, Lk)``: one line per query token,
@@ -122,16 +149,7 @@ def highlight(weights, query_tokens, key_tokens, top_k=3, *, color=False, show_w
     width = max(map(len, qt), default=0)
     lines = []
     for i in range(Lq):
-        order = [j for j in np.argsort(-w[i], kind="stable")[:top_k] if w[i, j] > 0]
-        rank = {j: r for r, j in enumerate(order)}
-        parts = []
-        for j, tok in enumerate(kt):
-            if j not in rank:
-                parts.append(tok)
-            elif color:
-                parts.append(f"{_ANSI[min(rank[j], 2)]}{tok}{_RESET}")
-            else:
-                parts.append(f"[{tok}]")
+        order, parts = _marked(w[i], kt, top_k, color)
         line = f"{qt[i]:<{width}} | " + " ".join(parts)
         if show_weights and order:
             line += "   (" + ", ".join(f"{kt[j]}={w[i, j]:.{decimals}f}" for j in order) + ")"
@@ -140,20 +158,9 @@ def highlight(weights, query_tokens, key_tokens, top_k=3, *, color=False, show_w
 
 
 def _weights_1d(weights, n, name="weights"):
-    try:
-        w = np.asarray(weights)
-    except Exception as exc:
-        raise TypeError(f"{name}: expected an array of real numbers, got {type(weights).__name__} ({exc})") from None
-    if w.dtype.kind not in "fiub":
-        raise TypeError(f"{name}: expected real numbers, got dtype {w.dtype}")
-    if w.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-d array (one weight per token), got {w.ndim}-d array "
-                         f"of shape {w.shape}")
+    w = _real_array(weights, name, 1, "a 1-d array (one weight per token)")
     if w.shape[0] != n:
         raise ValueError(f"{name}: expected {n} weights (one per token), got {w.shape[0]}")
-    w = w.astype(np.float64)
-    if not np.all(np.isfinite(w)):
-        raise ValueError(f"{name}: contains NaN or infinite values")
     return w
 
 
@@ -180,17 +187,7 @@ def highlight_tokens(weights, tokens, top_k=3, *, color=False, sep=" "):
         raise TypeError(f"color: expected a bool, got {type(color).__name__}")
     if not isinstance(sep, str):
         raise TypeError(f"sep: expected a str, got {type(sep).__name__}")
-    order = [j for j in np.argsort(-w, kind="stable")[:top_k] if w[j] > 0]
-    rank = {j: r for r, j in enumerate(order)}
-    parts = []
-    for j, tok in enumerate(toks):
-        if j not in rank:
-            parts.append(tok)
-        elif color:
-            parts.append(f"{_ANSI[min(rank[j], 2)]}{tok}{_RESET}")
-        else:
-            parts.append(f"[{tok}]")
-    return sep.join(parts)
+    return sep.join(_marked(w, toks, top_k, color)[1])
 
 
 def tokens_html(rows, *, title="Attention weights", sep=" "):

