@@ -107,8 +107,12 @@ def save(model, path) -> None:
 
     Parameters
     ----------
-    model : Embedding, Linear, SimpleRNN, GRU, LSTM, RNNEncoder, Attention,
-        SelfAttention, MultiHeadAttention, AttentionDecoder or Seq2Seq
+    model : a public layer class of :mod:`fastattn.layers` (its ``__all__``:
+        Embedding, Linear, SimpleRNN, GRU, LSTM, RNNEncoder, Attention,
+        SelfAttention, MultiHeadAttention, AttentionDecoder, Seq2Seq,
+        LayerNorm, Dropout, FeedForward, MeanPooling, Sequential,
+        AttentionPooling, PositionalEmbedding, TransformerEncoderLayer,
+        TransformerEncoder, TextClassifier)
         Exactly one of these classes (a subclass is refused: ``load`` could
         not rebuild it).
     path : str, bytes, os.PathLike or a binary file object
