@@ -214,3 +214,16 @@ def test_train_torch_model_is_textclassifiers_math():
         want = t(torch.from_numpy(ids), torch.from_numpy(mask), [torch.from_numpy(g) for g in grams],
                  torch.from_numpy(wide)).numpy()
     np.testing.assert_allclose(fa(ids, mask), want, rtol=1e-4, atol=1e-5)
+
+
+def test_predict_reads_a_file_of_texts(trained, tmp_path):
+    r, out, _ = trained
+    assert r.returncode == 0, r.stderr
+    f = tmp_path / "texts.txt"
+    f.write_text("the food was lovely\n\nbad service and a poor room\n", encoding="utf-8")
+    p = _run("predict.py", ["--model", str(out), "--file", str(f)])
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [x["label"] for x in res] == [1, 0]          # the blank line is skipped
+    p = _run("predict.py", ["--model", str(out), "--file", str(tmp_path / "missing.txt")])
+    assert p.returncode == 2 and "missing.txt" in p.stderr
