@@ -55,7 +55,6 @@ def _batch():
 
 
 def _torch_model(fa):
-    sys.path.insert(0, EXAMPLE)
     from train_torch import TorchClassifier
     t = TorchClassifier(V, 2, max_len=C.MAX_TOKENS, **C.HPARAMS)
     sd = dict(fa.named_parameters())

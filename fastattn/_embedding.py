@@ -5,8 +5,9 @@ The backward is a scatter-add of the rows of ``grad_out`` into a zero
 csrc/fa_rowwise.c, GIL released): it adds the contributions of repeated ids
 one after the other in the order the ids come (row-major over ``ids``),
 single-threaded, so a row's gradient is the same sequential sum on every
-call -- the sums :func:`numpy.add.at` gives, which it replaced (it was
-about 10x slower here).  A sort-based reduction was the other candidate;
+call -- the sums :func:`numpy.add.at` gives, which it replaced (32 x 82 ids
+x 128 float32 into 3705 rows, one run: numpy.add.at on flat indices 1.30
+ms, this 0.19 ms).  A sort-based reduction was the other candidate;
 ``np.add.reduceat`` over the sorted rows does not add a segment's rows in
 that sequential order (not the same bits as a loop over the ids).
 """

@@ -59,6 +59,10 @@ def adam_update(p, g, m, v, vmax, *, step, lr, betas, eps, weight_decay, decoupl
     p -= step_size * (m / denom)
 
 
+#: elements squared and summed at a time on sum_squares's NumPy path (stays in cache)
+NUMPY_CHUNK = 1 << 15
+
+
 def sum_squares(a, n_threads=None):
     """The sum of ``a``'s squared entries in float64 (a float): fixed chunks in
     C (fastattn._rowwise.sumsq, fastattn's threads) for a C-contiguous aligned
@@ -74,8 +78,8 @@ def sum_squares(a, n_threads=None):
         return float(np.add.reduce(parts))
     flat = a.reshape(-1)
     total = 0.0
-    for i in range(0, flat.size, 1 << 15):
-        c = flat[i:i + (1 << 15)].astype(np.float64)
+    for i in range(0, flat.size, NUMPY_CHUNK):
+        c = flat[i:i + NUMPY_CHUNK].astype(np.float64)
         np.multiply(c, c, out=c)
         total += float(np.add.reduce(c))
     return total

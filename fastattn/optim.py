@@ -469,10 +469,6 @@ def _norm_type(value) -> float:
     return v
 
 
-#: kept for the tests: the chunk of sum_squares's NumPy path
-_NORM_CHUNK = 1 << 15
-
-
 def _vector_norm(a, p) -> float:
     """The p-norm of ``a``'s entries in float64 (NaN propagates).
 

@@ -155,7 +155,7 @@ class TextClassifier(Layer):
         self.dropout = Dropout(p, seed=rng)
         self.rnn = GRU(E, rh, bidirectional=True, seed=rng, dtype=dt) if rh else None
         self.encoder = TransformerEncoder(
-            TransformerEncoderLayer(d_model, heads if nl else 1, ff, p, activation,
+            TransformerEncoderLayer(d_model, heads, ff, p, activation,
                                     norm_first=norm_first, seed=rng, dtype=dt),
             nl, norm=norm_first and nl > 0, seed=rng) if nl else None
         self.pool = AttentionPooling(d_model, da, r, seed=rng, dtype=dt)
@@ -250,56 +250,56 @@ class TextClassifier(Layer):
     def forward(self, ids, mask=None, *, return_weights=False):
         """logits ``(B, num_classes)``; with ``return_weights`` also the pooling
         weights ``(B, hops, L)`` (zero at padding)."""
-        ids, mask = self._ids_mask(ids, mask)
-        x = self.embedding(ids)
-        if self.ngrams is not None:
-            for g in self.ngram_ids(ids, mask):   # bucket 0 (none): no vector, whatever row 0 holds
-                x = x + np.where((g > 0)[..., None], self.ngrams(g), 0).astype(x.dtype, copy=False)
-        if self.positions is not None:
-            x = self.positions(x)
-        x = self.dropout(x)
-        if self.rnn is not None:
-            x, _ = self.rnn(x, lengths=mask.sum(1))
-            x = np.where(mask[..., None], x, 0).astype(x.dtype, copy=False)
-        if self.encoder is not None:
-            x = self.encoder(x, key_mask=mask)
-        pooled, w = self.pool(x, mask, return_weights=True)
-        logits = self.head(self.head_dropout(pooled))
-        if self.wide is not None:
-            logits = logits + self._wide_forward(ids, mask)[0]
+        logits, w, _ = self._pass(ids, mask, infer=True)
         return (logits, w) if return_weights else logits
 
     def forward_backward(self, ids, mask=None):
         """``(logits, backprop)``; ``backprop(grad_logits)`` adds every gradient
         (the pooling penalty's too, weighted by ``penalty``) and returns
         ``(None, None)``.  The penalty's value is in :attr:`last_penalty`."""
+        logits, _, backprop = self._pass(ids, mask, infer=False)
+        return logits, backprop
+
+    def _pass(self, ids, mask, infer):
+        """``(logits, pooling weights or None, backprop or None)``: the inference
+        path (``infer``: each child called, nothing kept) or the training one
+        (each child's ``forward_backward``), one sequence of children."""
+        fb = (lambda layer, *a, **k: (layer(*a, **k), None)) if infer else \
+            (lambda layer, *a, **k: layer.forward_backward(*a, **k))
         ids, mask = self._ids_mask(ids, mask)
-        x, b_emb = self.embedding.forward_backward(ids)
+        keep = mask[..., None]
+        x, b_emb = fb(self.embedding, ids)
         b_ngr = []
         if self.ngrams is not None:
-            for g in self.ngram_ids(ids, mask):
-                e, b = self.ngrams.forward_backward(g)
+            for g in self.ngram_ids(ids, mask):   # bucket 0 (none): no vector, whatever row 0 holds
+                e, b = fb(self.ngrams, g)
                 x = x + np.where((g > 0)[..., None], e, 0).astype(x.dtype, copy=False)
                 b_ngr.append(b)
         b_pos = None
         if self.positions is not None:
-            x, b_pos = self.positions.forward_backward(x)
-        x, b_d = self.dropout.forward_backward(x)
+            x, b_pos = fb(self.positions, x)
+        x, b_d = fb(self.dropout, x)
         b_rnn = b_enc = None
-        keep = mask[..., None]
         if self.rnn is not None:
-            (x, _), b_rnn = self.rnn.forward_backward(x, lengths=mask.sum(1))
+            (x, _), b_rnn = fb(self.rnn, x, lengths=mask.sum(1))
             x = np.where(keep, x, 0).astype(x.dtype, copy=False)
         if self.encoder is not None:
-            x, b_enc = self.encoder.forward_backward(x, key_mask=mask)
-        (pooled, P), b_pool = self.pool.forward_backward(x, mask, penalty=self._config["penalty"])
-        self.last_penalty = P
-        h, b_hd = self.head_dropout.forward_backward(pooled)
-        logits, b_head = self.head.forward_backward(h)
+            x, b_enc = fb(self.encoder, x, key_mask=mask)
+        if infer:
+            pooled, w = self.pool(x, mask, return_weights=True)
+            b_pool = None
+        else:
+            (pooled, self.last_penalty), b_pool = self.pool.forward_backward(
+                x, mask, penalty=self._config["penalty"])
+            w = None
+        h, b_hd = fb(self.head_dropout, pooled)
+        logits, b_head = fb(self.head, h)
         b_wide = None
         if self.wide is not None:
-            wl, b_wide = self._wide_forward(ids, mask, backward=True)
+            wl, b_wide = self._wide_forward(ids, mask, backward=not infer)
             logits = logits + wl
+        if infer:
+            return logits, w, None
 
         def backprop(grad_logits):
             if b_wide is not None:
@@ -318,7 +318,7 @@ class TextClassifier(Layer):
                 b(g)
             b_emb(g)
             return None, None
-        return logits, backprop
+        return logits, w, backprop
 
     def token_weights(self, ids, mask=None):
         """``(B, L)``: the pooling weights averaged over the hops (each row sums

@@ -463,10 +463,10 @@ def test_clip_grad_norm_float32_gradients_stay_float32():
 
 
 def test_clip_grad_norm_large_float32_is_the_float64_norm(rng):
-    """Past one conversion chunk the float32 2-norm is summed chunk by chunk in
-    float64: the float64 norm of the float32 values, to rounding; NaN and inf
-    in a late chunk still propagate."""
-    g = (rng.standard_normal(3 * optim._NORM_CHUNK + 17) * 1e3).astype(np.float32)
+    """Past one chunk the float32 2-norm is summed chunk by chunk in float64:
+    the float64 norm of the float32 values, to rounding; NaN and inf in a
+    late chunk still propagate."""
+    g = (rng.standard_normal(3 * 65536 + 17) * 1e3).astype(np.float32)
     want = float(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
     total = optim.clip_grad_norm([("p", np.zeros_like(g), g.copy())], 1e30)
     assert total == pytest.approx(want, rel=1e-13)
