@@ -1,4 +1,5 @@
-"""A/B of MultiHeadAttention unfrozen vs frozen (``freeze()``: prepacked projection weights).
+"""A/B of MultiHeadAttention reading its weights in place (``auto_pack = False``) vs frozen
+(``freeze()``: prepacked projection weights, as the default layer's since auto-packing).
 
 Run: ``python benchmarks/ab_frozen.py [BxN,BxN,...] [threads] [budget_s]``
 (default ``1x16,1x128,8x128,4x512 2 2.0``).  E = 512, H = 8, float32,
@@ -18,6 +19,7 @@ m = MultiHeadAttention(E, H, seed=0)
 rng = np.random.default_rng(1)
 m.load_state_dict({k: (rng.standard_normal(a.shape) * 0.05).astype(np.float32) for k, a in m.params.items()})
 f = copy.deepcopy(m).freeze()
+m.auto_pack = False   # the in-place side (the default layer packs, as f does)
 pm, pf = m._prepared_weights(), f._prepared_weights()
 for s in (sys.argv[1] if len(sys.argv) > 1 else "1x16,1x128,8x128,4x512").split(","):
     B, N = (int(v) for v in s.split("x"))

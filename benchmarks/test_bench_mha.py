@@ -4,9 +4,10 @@ Self-attention, E = 512, H = 8, float32, one pytest-benchmark group per
 (B, N) in :data:`SHAPES`.  Every implementation uses the same weights (a
 seeded ``fastattn.layers.MultiHeadAttention`` with non-zero biases):
 
-* ``fastattn``: ``layer(x)`` (``fastattn.multi_head_attention`` underneath);
+* ``fastattn``: ``layer(x)``, the layer as a user gets it (``auto_pack``: its
+  first call packs the projection weights for the projection kernel);
 * ``fastattn_frozen``: the same layer after ``freeze()`` (read-only weights,
-  the projection weights prepacked once for the projection kernel);
+  packed as well);
 * ``fastattn_weights`` (at (8, 128) only): ``layer(x, return_weights=True)``,
   the head-averaged weights computed on the same kernel;
 * ``numpy``: plain NumPy in float32 (packed QKV GEMM, head split, softmax,

@@ -883,7 +883,8 @@ def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=Non
     ``pack``: also keep float32 projection weights in the packed layout of the
     projection kernel (:class:`PackedWeights`, about one more copy of them),
     read by every call on these prepared weights while fastattn's SIMD
-    dispatch is on.  The caller promises that the weights' values do not
+    dispatch is on; ``"auto"``: only when the packed kernel is active now
+    (no copy that no call would read).  The caller promises that the weights' values do not
     change afterwards (the packed copy would not see it); float64 computations
     have no packed kernel, so ``pack`` is then ignored."""
     unknown = sorted(set(weights) - set(_WEIGHT_NAMES))
@@ -903,6 +904,8 @@ def prepare_weights(embed_dim, kdim, vdim, dtype, *, num_heads, num_kv_heads=Non
         given.update(w_query=p.w_q, w_key=p.w_k, w_value=p.w_v, b_query=p.b_q, b_key=p.b_k,
                      b_value=p.b_v)
     copied = any(given[n] is not kw[n] for n in given)
+    if pack == "auto":
+        pack = _proj.packed_kernel_active()
     packed = _pack_prepared(p) if pack and p.cdt == np.float32 else None
     return MultiHeadWeights(p, dtype, kdim, vdim, kw, copied, packed)
 

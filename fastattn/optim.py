@@ -43,6 +43,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from . import _stamps
 from ._optim_ops import adam_update, sum_squares
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm", "LRSchedule", "LambdaLR",
@@ -242,6 +243,7 @@ class Optimizer:
                 if st is None:
                     st = self.state[name] = self._init_state(p)
                 self._update(p, g, st)
+                _stamps.bump(p)   # a layer's derived copy of p (packed weights) is now stale
 
     def zero_grad(self):
         """Set every gradient to zero, in place.  Returns None."""

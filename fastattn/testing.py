@@ -228,7 +228,11 @@ def check_gradients(layer, *inputs, eps=1e-6, rtol=1e-5, atol=1e-8, entries=6, s
     g_struct = _like(out, lambda a: next(it))
     in_grads = backprop(*g_struct) if isinstance(out, tuple) else backprop(g_struct)
 
+    changed = getattr(layer, "params_changed", None)   # a user's layer may have none
+
     def value():
+        if changed is not None:   # written in place below: no derived copy (packed weights) may lag
+            changed()
         o = layer(*inputs, **kwargs)
         return float(sum(np.sum(np.asarray(a, np.float64) * g) for a, g in zip(_float_leaves(o), gs)))
 

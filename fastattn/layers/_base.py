@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .. import _stamps
 from .._validation import check_int
 from ..registry import get_similarity
 
@@ -233,6 +234,20 @@ class Layer:
         for _, layer in self._walk():
             for a in layer.grads.values():
                 a[...] = 0
+        return self
+
+    def params_changed(self):
+        """Say that parameter arrays of this layer or its children were written
+        in place by something other than fastattn (``layer.params[name][...] =
+        ...``, a NumPy ufunc with ``out=``): what a layer derives from its
+        parameters (MultiHeadAttention's packed projection weights) is rebuilt
+        on the next call.  fastattn's own writers (the optimizers' ``step``,
+        :meth:`load_state_dict`, :func:`fastattn.load`) need no such call, and
+        neither does replacing an array (``layer.params[name] = new``).
+        Returns ``self``."""
+        for _, a in self.named_parameters():
+            if isinstance(a, np.ndarray):
+                _stamps.bump(a)
         return self
 
     def train(self, mode=True):

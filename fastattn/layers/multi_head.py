@@ -23,12 +23,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import functional
+from .. import _stamps, functional
 from ._base import Layer, as_param_array, check_bool, check_dtype, check_int
 
 __all__ = ["MultiHeadAttention"]
 
 _CONFIG_KEYS = ("embed_dim", "num_heads", "kdim", "vdim", "bias", "num_kv_heads", "dtype")
+#: _cached_weights: the prepared weights are not (or no longer) those of params
+_STALE = object()
 #: what this layer's integer checks say they expect (torch's wording, kept from before the base)
 _POSITIVE = "a positive integer"
 
@@ -68,13 +70,28 @@ class MultiHeadAttention(Layer):
     The parameters (``self.params``, the :class:`~fastattn.layers._base.Layer`
     store; ``named_parameters()`` and ``state_dict()`` give the same names)
     are validated and made canonical on the first call and reused while
-    ``params`` holds the same arrays; changing their values in place is seen
-    by the next call, and replacing an array (or the dict, or
+    ``params`` holds the same arrays; replacing an array (or the dict, or
     ``load_state_dict``) prepares them again.
 
-    :meth:`freeze` (opt-in, for inference with fixed weights) makes the
-    parameter arrays read-only and keeps the float32 projection weights also
-    in the projection kernel's packed layout, which is faster; see there.
+    Packed weights: a float32 layer's first call (``layer(x)``, inference)
+    also copies its projection weights into the projection kernel's packed
+    layout (csrc/fa_proj.h), which later calls read instead of the arrays:
+    faster, above all for short sequences, at the cost of about one more
+    copy of the weights (output columns rounded up to multiples of 16).
+    :meth:`forward_backward` (training) never makes that copy and drops a
+    stale one, so a layer that is only trained holds none.  The copy is
+    remade after fastattn writes the parameters: an optimizer's ``step``
+    (:mod:`fastattn.optim`), :meth:`load_state_dict`, :func:`fastattn.load`.
+    **Writing a parameter array in place yourself** (``layer.params[name][...]
+    = ...``) is not seen by the packed copy: call :meth:`params_changed`
+    afterwards (or set :attr:`auto_pack` to False, and calls read the arrays
+    in place again).  Float64 layers and inputs, and SIMD off
+    (``FASTATTN_DISABLE_SIMD``) or a CPU without AVX2/FMA, have no packed
+    kernel: nothing is packed.
+
+    :meth:`freeze` (opt-in, for inference with fixed weights) also makes the
+    parameter arrays read-only, so that an in-place write raises instead of
+    going unseen; see there.
 
     Calling the layer: ``mha(query, key=None, value=None, *, attn_mask=None,
     key_mask=None, is_causal=False, return_weights=False)`` with batch-first
@@ -170,6 +187,20 @@ class MultiHeadAttention(Layer):
             parts.append(f"unexpected {', '.join(unexpected)}")
         return f"state_dict: expected the keys {', '.join(expected)}; " + "; ".join(parts)
 
+    # ---------------------------------------------------------------- packing
+    @property
+    def auto_pack(self) -> bool:
+        """Whether calls keep float32 projection weights packed (default True;
+        see the class docstring).  Setting False drops the packed copy (a
+        frozen layer keeps packing: :meth:`freeze` implies it); not part of
+        ``get_config``."""
+        return self.__dict__.get("_auto_pack", True)
+
+    @auto_pack.setter
+    def auto_pack(self, value):
+        self._auto_pack = check_bool(value, "auto_pack")
+        self._prepared = None
+
     # ---------------------------------------------------------------- freeze
     @property
     def frozen(self) -> bool:
@@ -177,15 +208,15 @@ class MultiHeadAttention(Layer):
         return getattr(self, "_frozen", False)
 
     def freeze(self):
-        """Promise that the parameters will not change, for faster calls.
+        """Promise that the parameters will not change, and have it enforced.
 
         The parameter arrays become read-only (``writeable=False``: writing
         into one raises NumPy's ``ValueError: assignment destination is
         read-only``; an array that does not own its memory is first replaced
         in ``params`` by a private copy), and float32 layers keep their
         projection weights also in the packed layout of fastattn's projection
-        kernel (csrc/fa_proj.h), made here once instead of being read in place
-        or repacked by BLAS on every call.  Outputs equal the unfrozen layer's
+        kernel (csrc/fa_proj.h), as an unfrozen layer does by default
+        (:attr:`auto_pack`; a frozen layer packs even with it off).  Outputs equal the unfrozen layer's
         within float32 rounding; with SIMD off (``FASTATTN_DISABLE_SIMD``) or
         on a CPU without AVX2/FMA, and for float64 layers or inputs, calls take
         the unfrozen path.
@@ -308,6 +339,22 @@ class MultiHeadAttention(Layer):
         if self.frozen:  # unpickled arrays are writeable: freeze them again
             self._freeze_params()
 
+    def _cached_weights(self):
+        """The prepared weights made by the last :meth:`_prepared_weights`, or
+        ``_STALE`` when ``params`` holds other arrays (or other shapes or
+        dtypes) since, or fastattn wrote one of them in place since (a
+        write stamp: an optimizer step, :meth:`params_changed`)."""
+        params = self._params
+        cached = getattr(self, "_prepared", None)
+        if cached is None or cached[0] is not params or len(params) != len(cached[1]):
+            return _STALE
+        get, stamp = params.get, _stamps.stamp
+        for name, a, shape, dt, st in cached[1]:
+            b = get(name)
+            if b is not a or b.shape != shape or b.dtype != dt or stamp(b) != st:
+                return _STALE
+        return cached[2]
+
     def _prepared_weights(self):
         """The parameters validated and canonical (functional's prepared weights),
         made once and reused while ``self.params`` holds the same arrays (same
@@ -315,30 +362,28 @@ class MultiHeadAttention(Layer):
         prepared weights are those arrays, not copies).  None when they cannot
         be reused (a parameter that had to be copied or cast, or that is
         invalid: the general path then checks and reports it on every call).
-        A frozen layer's carry the packed projection weights as well; a
+        Float32 layers' carry the packed projection weights as well (frozen
+        ones always, others while :attr:`auto_pack` is on); a frozen layer's
         parameter array replaced since is frozen before they are made."""
+        w = self._cached_weights()
+        if w is not _STALE:
+            return w
         params = self._params
-        cached = getattr(self, "_prepared", None)
-        if cached is not None and cached[0] is params and len(params) == len(cached[1]):
-            get = params.get
-            for name, a, shape, dt in cached[1]:
-                b = get(name)
-                if b is not a or b.shape != shape or b.dtype != dt:
-                    break
-            else:
-                return cached[2]
         if not isinstance(params, Mapping):
             return None
         frozen = self.frozen
         if frozen:
             self._freeze_params()
             params = self._params
-        snapshot = tuple((name, a, getattr(a, "shape", None), getattr(a, "dtype", None))
+        stamp = _stamps.stamp
+        snapshot = tuple((name, a, getattr(a, "shape", None), getattr(a, "dtype", None), stamp(a))
                          for name, a in params.items())
+        self._prepared = None   # a stale packed copy goes before the new one is made
         try:
             w = functional._prepare_mha_weights(
                 self.embed_dim, self.kdim, self.vdim, self.dtype, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, pack=frozen, **self._weights())
+                num_kv_heads=self.num_kv_heads, pack=True if frozen else "auto" if self.auto_pack else False,
+                **self._weights())
         except (TypeError, ValueError, KeyError):
             w = None
         if w is not None and w.copied:
@@ -417,6 +462,8 @@ class MultiHeadAttention(Layer):
         (:func:`fastattn.functional.multi_head_attention_forward_backward`,
         O(L) memory); the inputs must not change before ``backprop`` is
         called."""
+        if self._prepared is not None and self._cached_weights() is _STALE:
+            self._prepared = None   # a layer in training holds no stale packed copy
         kw = dict(attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
                   causal_alignment=causal_alignment, n_threads=n_threads)
         n_given = 1 if key is None and value is None else 2 if value is None else 3

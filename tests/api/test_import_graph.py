@@ -25,8 +25,8 @@ LAYERS = [
     # compiled: Cython over csrc/ (C knows nothing of Python)
     ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._rowwise",
                   "fastattn._scores"}),
-    # plain NumPy: argument checks, the float64 oracle, plotting
-    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz"}),
+    # plain NumPy: argument checks, the float64 oracle, plotting, parameter write stamps
+    ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz", "fastattn._stamps"}),
     # the runtime the kernels share, and masks as the kernels read them
     ("runtime", {"fastattn._threads", "fastattn._masks"}),
     # one op family each (ops may build on lower ops)
@@ -247,9 +247,10 @@ def test_layers_reach_the_kernels_only_through_functional():
     bad = sorted(f"{m} imports {t} (line {ln})" for m, e in GRAPH.items()
                  if m.startswith("fastattn.layers") for t, ln in e
                  if t in COMPILED or (t.startswith("fastattn._")
-                                      and t not in ("fastattn._reference", "fastattn._validation")))
+                                      and t not in ("fastattn._reference", "fastattn._validation",
+                                                    "fastattn._stamps")))
     assert not bad, ("layers must call fastattn.functional, not the op modules (they may share "
-                     "_validation's argument checkers):\n" + "\n".join(bad))
+                     "_validation's argument checkers and _stamps' write stamps):\n" + "\n".join(bad))
 
 
 def test_functional_only_reexports():

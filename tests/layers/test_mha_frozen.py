@@ -36,8 +36,10 @@ def spy_packed(monkeypatch):
 
 
 def _frozen_pair(E, layout, rng, dtype=np.float32):
+    """An unfrozen layer that reads its arrays in place (auto_pack off) and a frozen copy."""
     m = randomise(MultiHeadAttention(E, 4, dtype=dtype, seed=0, **LAYOUTS[layout]), rng)
     f = copy.deepcopy(m).freeze()
+    m.auto_pack = False
     return m, f
 
 
@@ -164,7 +166,11 @@ def test_freeze_makes_parameters_read_only(rng):
     assert w is not None and w.packed is not None
     assert m.unfreeze() is m and not m.frozen
     assert all(a.flags.writeable for a in m.params.values())
+    assert (m._prepared_weights().packed is not None) == _proj.packed_kernel_active()  # auto_pack
+    m.auto_pack = False
     assert m._prepared_weights().packed is None
+    m.freeze()  # a frozen layer packs with auto_pack off too
+    assert m._prepared_weights().packed is not None
 
 
 def test_freeze_copies_views_and_leaves_read_only_arrays(rng):

@@ -107,7 +107,12 @@ def test_layer_equals_functional_and_oracle(dtype, layout, rng):
     v = randn(rng, (B, Lk, m.vdim), dtype)
     km = np.ones((B, Lk), bool)
     km[0, 4:] = False
+    packed_out, packed_w = m(x, k, v, key_mask=km, return_weights=True)
+    m.auto_pack = False   # the arrays read in place: the functional's kernels on the same buffers
     out, w = m(x, k, v, key_mask=km, return_weights=True)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(packed_out, out, **tol)
+    np.testing.assert_allclose(packed_w, w, **tol)
     p = m.params
     if m.packed:
         weights = dict(w_qkv=p["in_proj_weight"], b_qkv=p.get("in_proj_bias"))

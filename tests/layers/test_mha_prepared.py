@@ -103,6 +103,7 @@ def test_prepared_unbatched_and_averaged(dtype, rng, no_general_path):
 def test_prepared_equals_general_path(rng):
     """Bit for bit: the two entries run the same kernels on the same buffers."""
     m = randomise(MultiHeadAttention(32, 4, seed=0), rng)
+    m.auto_pack = False   # the packed weights' rounding differs (test_mha_frozen, test_mha_autopack)
     x = randn(rng, (3, 9, 32), np.float32)
     km = np.ones((3, 9), bool)
     km[1, 5:] = False
