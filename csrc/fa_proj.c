@@ -587,6 +587,44 @@ void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_
     }
 }
 
+#ifdef FA_PROJ_AVX2
+/* Row blocks of 8 in column tiles of 64: the tile's 8 x 64 source floats and
+ * its 64 x 8 destination floats stay in L1 while the 8 x 8 blocks move. */
+static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
+                                int64_t lds, float *dst, int64_t ldd)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8)
+            transpose_block_f32(src + r * lds + c, lds, dst + c * ldd + r, ldd, one);
+        for (; c < cols; c++)
+            for (int i = 0; i < 8; i++)
+                dst[c * ldd + r + i] = src[(r + i) * lds + c];
+    }
+    for (; r < r1; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[c * ldd + r] = src[r * lds + c];
+}
+#endif
+
+void fa_proj_transpose_f32(int64_t r0, int64_t r1, int64_t cols, const float *src, int64_t lds,
+                           float *dst, int64_t ldd, int simd)
+{
+#ifdef FA_PROJ_AVX2
+    if (simd && fa_proj_small_available()) {
+        transpose_avx2(r0, r1, cols, src, lds, dst, ldd);
+        return;
+    }
+#else
+    (void)simd;
+#endif
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[c * ldd + r] = src[r * lds + c];
+}
+
 int fa_proj_packed_available(void)
 {
     return fa_proj_small_available();

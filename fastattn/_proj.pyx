@@ -75,6 +75,10 @@ cdef extern from "fa_proj.h" nogil:
     void fa_proj_pack_f32(int64_t n, int64_t k, const float *w, int64_t ldw, float *wp)
     void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
                                  const float *w, int64_t ldw, float *wp, int simd)
+    void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
+                                   const float *bt, int64_t ldb, float *wp)
+    void fa_proj_transpose_f32(int64_t r0, int64_t r1, int64_t cols, const float *src,
+                               int64_t lds, float *dst, int64_t ldd, int simd)
     int fa_proj_packed_available()
     void fa_proj_packed_tune(int64_t kc, int64_t mc)
     int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
@@ -329,6 +333,7 @@ ctypedef struct pack_ctx:
     int64_t n, k, ldw
     int64_t npanels, per_task
     int simd
+    int trans   # w is given as its transpose (k x n): packed by copies
 
 
 cdef void _pack_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -337,7 +342,9 @@ cdef void _pack_task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef int64_t p1 = p0 + p.per_task
     if p1 > p.npanels:
         p1 = p.npanels
-    if p0 < p1:
+    if p0 < p1 and p.trans:
+        fa_proj_pack_t_panels_f32(p0, p1, p.n, p.k, p.w, p.ldw, p.wp)
+    elif p0 < p1:
         fa_proj_pack_panels_f32(p0, p1, p.n, p.k, p.w, p.ldw, p.wp, p.simd)
 
 
@@ -360,15 +367,79 @@ def release_pack_buffer():
     _tls.buf = None
 
 
+def packs_transposed(int64_t M, int64_t N, int64_t K):
+    """True when :func:`linear` can take ``w_transposed=True`` for a product of
+    ``M`` rows into ``N`` columns over ``K`` (the packed kernel is active, the
+    packed weights fit the scratch limit ``pack_max_elems``, and the product
+    is large enough for packing to pay: ``pack_min_rows`` rows)."""
+    return (M >= g_pack_min_rows and g_pack_min_rows > 0 and N > 0 and K > 0
+            and fa_proj_packed_size(N, K) <= g_pack_max_elems
+            and runtime_simd(&g_rt) and fa_proj_packed_available() != 0)
+
+
+ctypedef struct tr_ctx:
+    const float *src
+    float *dst
+    int64_t rows, cols, lds, ldd, per_task
+    int simd
+
+
+cdef void _transpose_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef tr_ctx *p = <tr_ctx *>vctx
+    cdef int64_t r0 = t * p.per_task
+    cdef int64_t r1 = r0 + p.per_task
+    if r1 > p.rows:
+        r1 = p.rows
+    if r0 < r1:
+        fa_proj_transpose_f32(r0, r1, p.cols, p.src, p.lds, p.dst, p.ldd, p.simd)
+
+
+def transpose_f32(cnp.ndarray a, cnp.ndarray out, int n_threads):
+    """``out[...] = a.T`` for a float32 ``a (rows, cols)`` with contiguous rows
+    and a C-contiguous float32 ``out (cols, rows)`` (unchecked: fastattn's
+    own buffers), on up to ``n_threads`` threads (row chunks that are
+    multiples of 8; 8 x 8 AVX2 transposes while SIMD is on).  Exact copies.
+    Returns ``out``."""
+    cdef tr_ctx p
+    cdef int64_t t, ntasks
+    cdef int nt = n_threads if n_threads > 0 else 1
+    p.rows = cnp.PyArray_DIMS(a)[0]
+    p.cols = cnp.PyArray_DIMS(a)[1]
+    if p.rows == 0 or p.cols == 0:
+        return out
+    p.lds = _rows_ld(a, p.cols)
+    p.ldd = _rows_ld(out, p.rows)
+    p.src = <const float *>cnp.PyArray_DATA(a)
+    p.dst = <float *>cnp.PyArray_DATA(out)
+    p.simd = runtime_simd(&g_rt)
+    if g_rt.pool_run == NULL or p.rows * p.cols < (1 << 16):
+        nt = 1
+    ntasks = 4 * nt if nt > 1 else 1
+    p.per_task = ((p.rows + ntasks - 1) // ntasks + 7) // 8 * 8
+    ntasks = (p.rows + p.per_task - 1) // p.per_task
+    with nogil:
+        if nt > 1:
+            runtime_run(&g_rt, ntasks, nt, _transpose_task, &p, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _transpose_task(&p, t, 0)
+    return out
+
+
 def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
-           object wp=None):
+           object wp=None, bint w_transposed=False):
     """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
 
     ``wp`` (float32 only): ``w``'s packed form (:func:`pack_f32`, or a slice of
     a larger weight's from a row that is a multiple of 16); when given and the
     packed kernel is active (:func:`packed_kernel_active`), blocks of up to
     ``packed_m`` rows read it instead of ``w`` -- same blocking, same threads.
-    The caller keeps ``wp`` equal to ``w``'s packed form.  Without ``wp``, a
+    The caller keeps ``wp`` equal to ``w``'s packed form.
+    ``w_transposed`` (float32, no ``wp``): ``w`` is given as its transpose
+    ``(K, N)`` -- ``y = x @ w`` --, packed for this call by copies
+    (csrc/fa_proj.h's fa_proj_pack_t_panels_f32) and read by the packed
+    kernel; the caller checks :func:`packs_transposed` first (ValueError
+    otherwise).  Without ``wp``, a
     float32 product of at least ``pack_min_rows`` rows (all batch items) whose
     packed ``w`` fits ``pack_max_elems`` packs ``w`` itself first (on the same
     threads, into this thread's scratch, :func:`release_pack_buffer`) and
@@ -390,7 +461,8 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     kernel raises RuntimeError (it means the checks above missed a case).
     """
     cdef lin_ctx c
-    if cnp.PyArray_DIMS(x)[0] == 0 or cnp.PyArray_DIMS(x)[1] == 0 or cnp.PyArray_DIMS(w)[0] == 0:
+    cdef int wn = 1 if w_transposed else 0   # the axis of w that is N
+    if cnp.PyArray_DIMS(x)[0] == 0 or cnp.PyArray_DIMS(x)[1] == 0 or cnp.PyArray_DIMS(w)[wn] == 0:
         return 0
     if cnp.PyArray_DIMS(x)[2] == 0:
         if b is None:
@@ -409,9 +481,9 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     c.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
     c.item = item
     c.K = <int>cnp.PyArray_DIMS(x)[2]
-    c.N = <int>cnp.PyArray_DIMS(w)[0]
+    c.N = <int>cnp.PyArray_DIMS(w)[wn]
     c.ldx = <int>_rows_ld(x, c.K)
-    c.ldw = <int>_rows_ld(w, c.K)
+    c.ldw = <int>_rows_ld(w, c.N if w_transposed else c.K)
     c.ldy = <int>_rows_ld(y, c.N)
     c.x = <char *>cnp.PyArray_DATA(x)
     c.w = <char *>cnp.PyArray_DATA(w)
@@ -459,12 +531,23 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
             c.cb = ((c.cb + 1) // 2 + 15) // 16 * 16
         else:
             break
+    if w_transposed:
+        # row blocks fixed by the shapes (the packed kernel's row grouping, and
+        # so its summation order, follows a block's row count): the same bits
+        # for any n_threads, as linear_backward promises; FA_PROJ_PACKED_MC
+        # rows, the kernel's own cache blocking
+        c.mb = c.M if c.M < FA_PROJ_PACKED_MC else FA_PROJ_PACKED_MC
     c.nbm = (c.M + c.mb - 1) // c.mb
     c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
     cdef pack_ctx pk
     cdef int64_t pk_tasks = 0
     cdef int64_t psize = fa_proj_packed_size(c.N, c.K)
+    if w_transposed and (wp is not None or not c.f32 or not packs_transposed(nb * c.M, c.N, c.K)
+                         or c.mb > g_packed_m):
+        raise ValueError("fastattn._proj.linear: w_transposed needs a float32 product that "
+                         "packs_transposed accepts, and no wp")
+    pk.trans = w_transposed
     if (wp is None and c.f32 and g_pack_min_rows > 0 and <int64_t>nb * c.M >= g_pack_min_rows
             and psize <= g_pack_max_elems and runtime_simd(&g_rt)
             and fa_proj_packed_available() != 0):

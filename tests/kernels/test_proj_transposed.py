@@ -1,0 +1,101 @@
+"""The packed projection kernel on transposed operands (linear_backward's float32
+products): fastattn._proj.transpose_f32, _proj.linear(w_transposed=True), and
+linear_backward taking that path -- against float64 NumPy, the same bits for
+any thread count, SIMD on and off."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastattn import _linear, _proj
+from fastattn.functional import linear_backward
+from support import randn
+
+
+@pytest.fixture(autouse=True)
+def _runtime():
+    _linear._ensure_runtime()
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 9), (8, 8), (16, 64), (33, 70), (300, 517)])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_transpose_is_exact(simd_mode, rows, cols, n_threads, rng):
+    a = randn(rng, (rows, cols), np.float32)
+    out = np.full((cols, rows), np.nan, np.float32)
+    assert _proj.transpose_f32(a, out, n_threads) is out
+    np.testing.assert_array_equal(out, a.T)
+
+
+def test_transpose_of_a_row_strided_view(rng):
+    big = randn(rng, (40, 90), np.float32)
+    a = big[:, 5:70]      # rows of 65 floats, 90 apart
+    out = np.empty((65, 40), np.float32)
+    np.testing.assert_array_equal(_proj.transpose_f32(a, out, 2), a.T)
+
+
+needs_packed = pytest.mark.skipif(not _proj.packed_kernel_active(),
+                                  reason="no packed projection kernel on this CPU/build (AVX2+FMA)")
+
+
+@needs_packed
+@pytest.mark.parametrize("M, K, N", [(64, 1, 1), (64, 16, 17), (97, 300, 33), (500, 70, 260),
+                                     (1000, 129, 64)])
+def test_linear_with_w_transposed(M, K, N, rng):
+    x = randn(rng, (1, M, K), np.float32)
+    wt = randn(rng, (K, N), np.float32)          # w's transpose: y = x @ wt
+    assert _proj.packs_transposed(M, N, K)
+    ys = []
+    for nt in (1, 2, 3):
+        y = np.full((1, M, N), np.nan, np.float32)
+        _proj.linear(x, wt, None, y, nt, w_transposed=True)
+        ys.append(y)
+    ref = x[0].astype(np.float64) @ wt.astype(np.float64)
+    np.testing.assert_allclose(ys[0][0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])
+
+
+def test_w_transposed_refused_where_it_cannot_pack(rng):
+    x = randn(rng, (1, 8, 5), np.float32)       # 8 rows: fewer than pack_min_rows
+    wt = randn(rng, (5, 3), np.float32)
+    assert not _proj.packs_transposed(8, 3, 5)
+    with pytest.raises(ValueError, match="w_transposed"):
+        _proj.linear(x, wt, None, np.empty((1, 8, 3), np.float32), 2, w_transposed=True)
+    x64 = randn(rng, (1, 80, 5), np.float64)
+    with pytest.raises(ValueError, match="w_transposed"):
+        _proj.linear(x64, randn(rng, (5, 3), np.float64), None, np.empty((1, 80, 3)), 2,
+                     w_transposed=True)
+
+
+@pytest.mark.parametrize("lead, K, N", [((770,), 300, 260), ((4, 33), 65, 2), ((2, 50), 7, 100),
+                                        ((64,), 64, 64)])
+def test_linear_backward_float32_paths(simd_mode, lead, K, N, rng, monkeypatch):
+    """Both products on the packed kernel where it applies (a spy counts them),
+    the BLAS tiles elsewhere; float64 NumPy reference; same bits for 1-3 threads."""
+    taken = []
+    real = _proj.linear
+
+    def spy(*a, **k):
+        taken.append(k.get("w_transposed", False))
+        return real(*a, **k)
+
+    monkeypatch.setattr(_proj, "linear", spy)
+    x, g = randn(rng, lead + (K,), np.float32), randn(rng, lead + (N,), np.float32)
+    w, b = randn(rng, (N, K), np.float32), randn(rng, (N,), np.float32)
+    res = [linear_backward(g, x, w, b, n_threads=n) for n in (1, 2, 3)]
+    rows = int(np.prod(lead))
+    want = sum((_proj.packs_transposed(rows, K, N), _proj.packs_transposed(N, K, rows)))
+    assert taken == [True] * want * 3
+    if simd_mode == "simd":
+        assert want == (2 if N >= 64 else 1 if rows >= 64 else 0)
+    g64, x64 = g.reshape(rows, N).astype(np.float64), x.reshape(rows, K).astype(np.float64)
+    dx_ref, dw_ref = g64 @ w.astype(np.float64), g64.T @ x64
+    dx, dw, db = res[0]
+    assert dx.dtype == dw.dtype == db.dtype == np.float32
+    scale = max(1.0, float(np.sqrt(rows)))
+    np.testing.assert_allclose(dx.reshape(rows, K), dx_ref, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5 * scale * np.sqrt(rows))
+    np.testing.assert_allclose(db, g64.sum(0), rtol=1e-5, atol=1e-5 * scale)
+    for other in res[1:]:
+        for a, c in zip(res[0], other):
+            np.testing.assert_array_equal(a, c)
