@@ -13,29 +13,16 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _multihead, _proj, _stamps, optim
+from fastattn import _proj, _stamps, optim
 from fastattn import layers as L
 from fastattn.layers import MultiHeadAttention
 from support import assert_close, randn
 
+from test_mha_frozen import spy_packed  # noqa: F401 (a fixture: products given packed weights)
 from test_mha_layer import oracle_of, randomise
 
 pytestmark = pytest.mark.skipif(not _proj.packed_kernel_active(),
                                 reason="no packed projection kernel on this CPU/build (AVX2+FMA)")
-
-
-@pytest.fixture
-def spy_packed(monkeypatch):
-    """Records, for every projection product of the multi-head code, whether it got packed weights."""
-    calls = []
-    real = _multihead._linear
-
-    def spy(x, w, b, rows_out, n_threads, wp=None):
-        calls.append(wp is not None)
-        return real(x, w, b, rows_out, n_threads, wp)
-
-    monkeypatch.setattr(_multihead, "_linear", spy)
-    return calls
 
 
 def _layer(rng, **kw):
