@@ -220,11 +220,11 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     float32 products of at least 64 result rows (AVX2 on, operands that fit
     the packing scratch) run on the packed projection kernel of
     :func:`linear` (the other operand packed by copies; for dweight, grad_out
-    transposed once): about twice OpenBLAS's speed on an AVX-512 machine
-    (linear_backward of 4096 x 1024 into 256 features: 42.8 against 20.7 ms,
-    one run, 2 threads, another process on one core), at the cost of one
-    transposed copy of grad_out and the packed operand (scratch kept per
-    thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
+    transposed once), the reduction in runs of :data:`PACKED_KC` terms
+    added in order (as accurate as torch's MKL: see there): about 1.5x
+    OpenBLAS's speed on an AVX-512 machine, at the cost of one transposed
+    copy of grad_out, one result-sized partial and the packed operand
+    (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
     (fastattn's worker pool, BLAS held at one thread, tiles fixed by the
     shapes).  Either way every element is summed in an order fixed by the
     shapes: the same bits for any ``n_threads`` (default
@@ -256,15 +256,13 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
         if packed_dx or packed_dw:   # float32 on the packed projection kernel
             g32 = np.ascontiguousarray(g2, dtype=cdt)
         if packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
-            _proj.linear(g32[None], np.ascontiguousarray(w, dtype=cdt), None, dx[None], nt,
-                         w_transposed=True)
+            _packed_product(g32, np.ascontiguousarray(w, dtype=cdt), dx, nt)
         else:
             wa, wt = _operand(w, cdt)
             _proj.matmul(ga, gt, wa, wt, dx, nt)        # (rows, N) @ (N, K)
         if packed_dw:   # dw = g^T x: g transposed once (AVX2 8 x 8 blocks), x read as w^T
             gT = _proj.transpose_f32(g32, np.empty((N, rows), cdt), nt)
-            _proj.linear(gT[None], np.ascontiguousarray(x2, dtype=cdt), None, dw[None], nt,
-                         w_transposed=True)
+            _packed_product(gT, np.ascontiguousarray(x2, dtype=cdt), dw, nt)
         else:
             xa, xt = _operand(x2, cdt)
             _proj.matmul(ga, not gt, xa, xt, dw, nt)    # (N, rows) @ (rows, K)
@@ -277,6 +275,34 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
         db = _column_sums(ga.T if gt else ga, nt)
         db = db.astype(grad_dtype(b, cdt), copy=False)
     return dx, dw, db
+
+
+#: linear_backward's packed products sum their reduction in runs of this many
+#: terms (each run from zero, then the runs added in order).  The packed
+#: kernel's one float32 accumulator per output over the whole reduction gave
+#: 2.3-4.4x torch's rms error at 4096 rows; runs of 256 1.1-1.4x, runs of 128
+#: 0.85-1.0x (max error 0.68-1.0x), about 1.5x OpenBLAS's speed (measured,
+#: one run, 2 threads: 4096 x 1024 into 256, 4096 x 256 into 1024, 1024 x
+#: 1000 into 256; tests/kernels/test_proj_transposed.py checks the ratios).
+PACKED_KC = 128
+
+
+def _packed_product(a, bt, out, n_threads):
+    """``out (M, N) = a (M, R) @ bt (R, N)`` in float32 on the packed kernel
+    (:func:`fastattn._proj.linear` with ``w_transposed``), the reduction in
+    runs of :data:`PACKED_KC` (the same bits for any ``n_threads``)."""
+    R = a.shape[1]
+    if R <= PACKED_KC:
+        _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True)
+        return out
+    part = np.empty_like(out)
+    for k0 in range(0, R, PACKED_KC):
+        k1 = min(R, k0 + PACKED_KC)
+        dst = out if k0 == 0 else part
+        _proj.linear(a[None, :, k0:k1], bt[k0:k1], None, dst[None], n_threads, w_transposed=True)
+        if k0:
+            out += part
+    return out
 
 
 def _column_sums(a, n_threads):
