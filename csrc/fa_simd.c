@@ -672,6 +672,7 @@ AVX512 static inline void transpose_block_f64z(const double *src, int64_t lds, d
 }
 
 #define SMT AVX512
+#define SM_ROWS8
 #define SM(name) SM_(name, f32z)
 #define ELT float
 #define VEC __m512
@@ -719,6 +720,7 @@ AVX512 static inline void transpose_block_f64z(const double *src, int64_t lds, d
 #undef FMADD
 #undef MUL
 #undef ADD
+#undef SM_ROWS8
 #undef SMT
 
 /* The backward's elementwise steps (the same roundings as the scalar ones:

@@ -308,6 +308,19 @@ SMT static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, 
         a50 = FMADD(x, v0, a50); a51 = FMADD(x, v1, a51);
     }
     VEC r[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
+    if (nrows == 6 && rem >= PW) {   /* the common block: plain stores, no spill */
+        _Pragma("GCC unroll 6")
+        for (int i = 0; i < 6; i++) {
+            VEC lo = r[2 * i], hi = r[2 * i + 1];
+            if (acc) {
+                lo = ADD(lo, LOADU(C + i * ldc));
+                hi = ADD(hi, LOADU(C + i * ldc + W));
+            }
+            STOREU(C + i * ldc, lo);
+            STOREU(C + i * ldc + W, hi);
+        }
+        return;
+    }
     for (int i = 0; i < nrows; i++) {
         VEC lo = r[2 * i], hi = r[2 * i + 1];
         if (acc) {
@@ -318,6 +331,56 @@ SMT static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, 
         SM(store_part)(C + i * ldc + W, hi, rem - W);
     }
 }
+
+#ifdef SM_ROWS8
+/* 8 whole rows x one panel, for 32-register (AVX-512) CPUs: 16 accumulators
+ * halve the panel loads per FMA, and 8 rows divide the usual tile heights.
+ * Every output is the same sequential FMA chain over k as pb_6x2's, so the
+ * same bits. */
+SMT static inline void SM(pb_8x2)(int64_t k, const ELT *b, const ELT *A, int64_t lda, ELT *C,
+                                   int64_t ldc, int64_t rem, int acc)
+{
+    VEC a[8][2];
+    const ELT *p[8];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < 8; r++) {
+        a[r][0] = a[r][1] = ZERO();
+        p[r] = A + r * lda;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        VEC v0 = LOADU(b + j * PW), v1 = LOADU(b + j * PW + W);
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++) {
+            VEC x = SET1(p[r][j]);
+            a[r][0] = FMADD(x, v0, a[r][0]);
+            a[r][1] = FMADD(x, v1, a[r][1]);
+        }
+    }
+    if (rem >= PW) {
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++) {
+            VEC lo = a[r][0], hi = a[r][1];
+            if (acc) {
+                lo = ADD(lo, LOADU(C + r * ldc));
+                hi = ADD(hi, LOADU(C + r * ldc + W));
+            }
+            STOREU(C + r * ldc, lo);
+            STOREU(C + r * ldc + W, hi);
+        }
+    } else {
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++) {
+            VEC lo = a[r][0], hi = a[r][1];
+            if (acc) {
+                lo = ADD(lo, SM(load_part)(C + r * ldc, rem));
+                hi = ADD(hi, SM(load_part)(C + r * ldc + W, rem - W));
+            }
+            SM(store_part)(C + r * ldc, lo, rem);
+            SM(store_part)(C + r * ldc + W, hi, rem - W);
+        }
+    }
+}
+#endif
 
 /* C (m x ncols, ldc) = A (m x k, lda) . B, or += when acc, for B packed in
  * panels of PW columns (pack_kt / pack_v).  Panels outer: one panel stays in
@@ -331,7 +394,13 @@ SMT static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, i
     for (int64_t p0 = 0; p0 < ncols; p0 += PW) {
         const ELT *b = Bp + p0 * k;
         int64_t rem = ncols - p0;
-        for (int64_t i = 0; i < m; i += 6) {
+        int64_t i = 0;
+#ifdef SM_ROWS8
+        if (!lim)   /* lim is kept per block of 6 rows (FA_PACK_ROWS) */
+            for (; i + 8 <= m; i += 8)
+                SM(pb_8x2)(k, b, A + i * lda, lda, C + i * ldc + p0, ldc, rem, acc);
+#endif
+        for (; i < m; i += 6) {
             int64_t kk = k;
             if (lim) {
                 int64_t l = lim[i / 6];
