@@ -153,3 +153,27 @@ def test_avx2_and_avx512_projections_agree_bitwise(rng):
         np.testing.assert_array_equal(a, b_)
     ref = x.astype(np.float64) @ w.T.astype(np.float64) + b
     assert_close(res[2][0], ref, np.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 10, 11, 13, 15, 21, 27, 97, 101])
+def test_avx2_and_avx512_projection_row_blocks_agree_bitwise(rows, rng):
+    """The 512-bit path takes row blocks of up to 8 where the 256-bit one takes
+    6; the rows the latter leaves in 1-3-row blocks (another summation order)
+    must be blocked alike: row counts around each case of both policies, on
+    the packed kernel (prepacked weights, one thread: one block of rows)."""
+    from fastattn import _proj
+    x = randn(rng, (1, rows, 300), np.float32)
+    w, b = randn(rng, (100, 300), np.float32, 0.1), randn(rng, (100,), np.float32)
+    wp = np.empty(_proj.packed_size(100, 300), np.float32)
+    _proj.pack_f32(w, wp)
+    res = {}
+    try:
+        for level in (1, 2):
+            _kernels.set_simd_max_level(level)
+            assert _proj.packed_kernel_active()
+            res[level] = np.empty((1, rows, 100), np.float32)
+            _proj.linear(x, w, b, res[level], 1, wp)
+    finally:
+        _restore_simd()
+    np.testing.assert_array_equal(res[1], res[2])
+    assert_close(res[2][0], x[0].astype(np.float64) @ w.T.astype(np.float64) + b, np.float32)
