@@ -99,6 +99,17 @@ extensions = [
         extra_link_args=extra_link,
         depends=DEPENDS,
     ),
+    # NumPy's data-memory handler over csrc/fa_cache.c's bounded block cache
+    # (fastattn/_alloc.py switches it on around the layers).
+    Extension(
+        "fastattn._memory",
+        sources=["fastattn/_memory.pyx", "csrc/fa_cache.c"],
+        include_dirs=["csrc", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+        depends=DEPENDS,
+    ),
 ]
 
 setup(

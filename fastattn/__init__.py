@@ -16,6 +16,7 @@ except ImportError as _exc:  # pragma: no cover - depends on how it was installe
         f"Original error: {_exc}"
     ) from _exc
 from ._threads import get_num_threads, set_num_threads, threads
+from ._alloc import memory_cache_info, release_memory, set_memory_cache
 from .functional import (Plan, attention, explain, merge_attention, multi_head_attention,
                          scaled_dot_product_attention)
 from .registry import (available_similarities, get_similarity, register_similarity,
@@ -85,6 +86,9 @@ __all__ = [
     "get_num_threads",
     "set_num_threads",
     "threads",
+    "set_memory_cache",
+    "memory_cache_info",
+    "release_memory",
     "simd_active",
     "simd_isa",
     "get_include",

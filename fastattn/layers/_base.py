@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import _stamps
+from .. import _alloc, _stamps
 from .._validation import check_int
 from ..registry import get_similarity
 
@@ -177,6 +177,17 @@ class Layer:
     _integer_params = True
     #: the keys from_config accepts; None: the constructor's parameter names
     _config_keys = None
+
+    def __init_subclass__(cls, **kwargs):
+        # the layers' entry points allocate through fastattn's block cache
+        # (fastattn/_alloc.py): a training step reuses the previous step's
+        # freed activations instead of faulting in fresh pages
+        super().__init_subclass__(**kwargs)
+        for name in ("__call__", "forward_backward", "loss_and_grads"):
+            fn = cls.__dict__.get(name)
+            if callable(fn):
+                setattr(cls, name, _alloc.cached_method(
+                    fn, returns_backprop=name == "forward_backward"))
 
     # ------------------------------------------------------------ nesting
     def _children(self) -> dict:

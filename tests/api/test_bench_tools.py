@@ -179,5 +179,6 @@ def test_training_memory_script_measures_a_step():
     rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] == ["seq2seq"]]
     assert rows and rows[0][1] == "fastattn"
     for r in rows:
-        before, extra, total = map(float, r[2:5])
-        assert before > 0 and total >= before and extra >= 0
+        before, cached, extra, total = map(float, r[2:6])
+        assert before > 0 and 0 <= cached <= before and total >= before and extra >= 0
+        assert abs(extra - (total - (before - cached))) < 0.2   # the cache counted as the step's

@@ -24,11 +24,12 @@ SOURCE = next(p / PACKAGE for p in Path(__file__).resolve().parents
 LAYERS = [
     # compiled: Cython over csrc/ (C knows nothing of Python)
     ("compiled", {"fastattn._kernels", "fastattn._proj", "fastattn._rnn", "fastattn._rowwise",
-                  "fastattn._scores"}),
+                  "fastattn._scores", "fastattn._memory"}),
     # plain NumPy: argument checks, the float64 oracle, plotting, parameter write stamps
     ("base", {"fastattn._validation", "fastattn._reference", "fastattn.viz", "fastattn._stamps"}),
     # the runtime the kernels share, and masks as the kernels read them
-    ("runtime", {"fastattn._threads", "fastattn._masks"}),
+    # (and the block cache the layers allocate through)
+    ("runtime", {"fastattn._threads", "fastattn._masks", "fastattn._alloc"}),
     # one op family each (ops may build on lower ops)
     ("ops", {"fastattn._sdpa", "fastattn._linear", "fastattn._embedding", "fastattn._merge",
              "fastattn._norm", "fastattn.losses", "fastattn._optim_ops"}),
@@ -248,9 +249,10 @@ def test_layers_reach_the_kernels_only_through_functional():
                  if m.startswith("fastattn.layers") for t, ln in e
                  if t in COMPILED or (t.startswith("fastattn._")
                                       and t not in ("fastattn._reference", "fastattn._validation",
-                                                    "fastattn._stamps")))
+                                                    "fastattn._stamps", "fastattn._alloc")))
     assert not bad, ("layers must call fastattn.functional, not the op modules (they may share "
-                     "_validation's argument checkers and _stamps' write stamps):\n" + "\n".join(bad))
+                     "_validation's argument checkers, _stamps' write stamps and _alloc's "
+                     "block cache switch):\n" + "\n".join(bad))
 
 
 def test_functional_only_reexports():

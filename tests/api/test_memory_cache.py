@@ -1,0 +1,202 @@
+"""fastattn's block cache (fastattn/_alloc.py, csrc/fa_cache.c): the layers
+allocate through it, it reuses freed large blocks within its limit, and it
+never changes a result."""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _memory
+from fastattn import layers as L
+
+handler_name = np._core.multiarray.get_handler_name
+BIG = 2 << 20   # bytes: above the cache's 1 MiB threshold
+
+
+@pytest.fixture
+def cache_limit():
+    """Restore the limit (and the handler switch) after the test."""
+    prev = fastattn.memory_cache_info()["limit"]
+    yield
+    fastattn.set_memory_cache(prev)
+
+
+def _encoder_step(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4, 64, 64), dtype=np.float32)
+    layer = L.TransformerEncoderLayer(64, 4, 128, 0.0, seed=1)
+    out, back = layer.forward_backward(x)
+    (dx,) = back(rng.standard_normal(out.shape, dtype=np.float32))
+    return layer, out, dx
+
+
+def test_layers_allocate_through_the_cache_and_nothing_else_does(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    layer, out, dx = _encoder_step()
+    assert handler_name(out) == _memory.NAME
+    assert handler_name(dx) == _memory.NAME   # made inside the backprop
+    assert handler_name(layer(np.ones((2, 8, 64), np.float32))) == _memory.NAME
+    assert handler_name() != _memory.NAME      # this context is left as it was
+    assert handler_name(np.empty(BIG, np.uint8)) != _memory.NAME
+
+
+def test_results_are_the_same_bits_with_and_without_the_cache(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    layer_c, out_c, dx_c = _encoder_step()
+    fastattn.set_memory_cache(0)
+    layer_p, out_p, dx_p = _encoder_step()
+    assert handler_name(out_p) != _memory.NAME
+    np.testing.assert_array_equal(out_c, out_p)
+    np.testing.assert_array_equal(dx_c, dx_p)
+    for (n, a), (_, b) in zip(layer_c.named_grads(), layer_p.named_grads()):
+        np.testing.assert_array_equal(a, b, err_msg=n)
+
+
+def test_a_second_step_reuses_the_first_steps_blocks(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 128, 128), dtype=np.float32)   # 4 MiB activations
+    layer = L.TransformerEncoderLayer(128, 4, 256, 0.0, seed=1)
+
+    def step():
+        out, back = layer.forward_backward(x)
+        back(np.ones_like(out))
+
+    step()
+    before = fastattn.memory_cache_info()
+    assert before["cached_bytes"] > 0 and before["cached_blocks"] > 0
+    step()
+    after = fastattn.memory_cache_info()
+    assert after["hits"] - before["hits"] >= 5
+    assert after["misses"] - before["misses"] <= after["hits"] - before["hits"]
+    assert after["cached_bytes"] <= after["limit"]
+
+
+def test_reused_blocks_are_zeroed_for_zeros_and_kept_by_resize(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    prev = _memory.enter()
+    try:
+        a = np.empty(BIG, np.uint8)
+        a[:] = 7
+        del a
+        hits = fastattn.memory_cache_info()["hits"]
+        z = np.zeros(BIG, np.uint8)                 # calloc from a dirty cached block
+        assert fastattn.memory_cache_info()["hits"] == hits + 1
+        assert not z.any()
+        b = np.arange(BIG // 4, dtype=np.int32)
+        b.resize(BIG, refcheck=False)              # realloc to 4x: moved, contents kept
+        np.testing.assert_array_equal(b[:BIG // 4], np.arange(BIG // 4, dtype=np.int32))
+        assert not b[BIG // 4:].any()
+        c = np.arange(10, dtype=np.int64)          # a small block (malloc, not cached)
+        c.resize(3, refcheck=False)
+        np.testing.assert_array_equal(c, [0, 1, 2])
+        assert c.ctypes.data % 16 == 0 and b.ctypes.data % 64 == 0
+    finally:
+        _memory.exit(prev)
+
+
+def test_limit_bounds_the_cache_and_release_empties_it(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    prev = _memory.enter()
+    try:
+        arrays = [np.empty(BIG, np.uint8) for _ in range(6)]
+        del arrays
+        info = fastattn.memory_cache_info()
+        assert info["cached_bytes"] >= 6 * BIG and info["cached_blocks"] >= 6
+        assert fastattn.set_memory_cache(3 * BIG + 4096) == 256 << 20
+        info = fastattn.memory_cache_info()
+        assert 0 < info["cached_bytes"] <= 3 * BIG + 4096
+        fastattn.release_memory()
+        assert fastattn.memory_cache_info()["cached_bytes"] == 0
+        big = np.empty(4 * BIG, np.uint8)          # above the limit: freed at once
+        del big
+        assert fastattn.memory_cache_info()["cached_bytes"] == 0
+    finally:
+        _memory.exit(prev)
+    fastattn.set_memory_cache(0)
+    info = fastattn.memory_cache_info()
+    assert info["limit"] == 0 and info["cached_bytes"] == 0 and info["cached_blocks"] == 0
+    _, out, _ = _encoder_step()
+    assert handler_name(out) != _memory.NAME
+
+
+@pytest.mark.parametrize(("value", "exc", "words"), [
+    (-1, ValueError, ">= 0, got -1"),
+    (1.5, TypeError, "got float"),
+    (True, TypeError, "got bool"),
+    ("256M", TypeError, "got str"),
+])
+def test_bad_limit(value, exc, words, cache_limit):
+    before = fastattn.memory_cache_info()["limit"]
+    with pytest.raises(exc, match="limit") as e:
+        fastattn.set_memory_cache(value)
+    assert words in str(e.value)
+    assert fastattn.memory_cache_info()["limit"] == before
+
+
+def _limit_in_child(value):
+    env = dict(os.environ, FASTATTN_MEMORY_CACHE=value)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "import fastattn; print(fastattn.memory_cache_info()['limit'])"
+    r = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=os.path.dirname(root),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.split()[-1]), r.stderr
+
+
+@pytest.mark.parametrize(("value", "limit"), [("0", 0), ("64M", 64 << 20), ("1048576", 1 << 20),
+                                              ("2g", 2 << 30), ("512KiB", 512 << 10)])
+def test_environment_variable(value, limit):
+    got, err = _limit_in_child(value)
+    assert got == limit and "Warning" not in err
+
+
+def test_environment_variable_garbage_warns_and_keeps_the_default():
+    limit, err = _limit_in_child("lots")
+    assert limit == 256 << 20
+    assert "FASTATTN_MEMORY_CACHE='lots'" in err and "RuntimeWarning" in err
+
+
+def test_threads_allocate_and_free_concurrently(cache_limit):
+    fastattn.set_memory_cache(8 * BIG)
+    errors = []
+
+    def work(k):
+        prev = _memory.enter()
+        try:
+            for i in range(200):
+                n = BIG + (i % 7) * 4096 * (k + 1)
+                a = np.empty(n, np.uint8)
+                a[::4096] = k
+                if not (a[::4096] == k).all():
+                    errors.append((k, i))
+                del a
+        finally:
+            _memory.exit(prev)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    assert fastattn.memory_cache_info()["cached_bytes"] <= 8 * BIG
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_allocates(cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - the child's exit status is the check
+        try:
+            _, out, dx = _encoder_step()
+            os._exit(0 if np.isfinite(dx).all() and handler_name(out) == _memory.NAME else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
