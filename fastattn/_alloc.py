@@ -13,6 +13,9 @@ about their size.  Arrays outside fastattn's layers are not affected (NumPy
 keeps the handler in a context variable); an array made by a layer keeps the
 handler for its life, whoever frees it.
 
+Also the public ops `scaled_dot_product_attention`, `sdpa_backward`, `attention` and
+`attention_backward` allocate through the cache.
+
 The cache holds at most :func:`set_memory_cache`'s limit (default 256 MiB,
 or the ``FASTATTN_MEMORY_CACHE`` environment variable at import: bytes, or a
 number with ``K``, ``M`` or ``G`` for KiB, MiB, GiB; ``0`` turns the handler
@@ -122,3 +125,8 @@ def cached_method(fn, *, returns_backprop=False):
         return res
     wrapper._fa_cached = True
     return wrapper
+
+
+def cached(fn):
+    """Decorator: ``fn`` (a public op) allocates through the cache."""
+    return cached_method(fn)

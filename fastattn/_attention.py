@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from . import _kernels, _masks, _sdpa, _threads, _validation
+from . import _alloc, _kernels, _masks, _sdpa, _threads, _validation
 from ._validation import as_array, canonical_matrix_stack, check_grad_array, describe, sum_to_shape
 from .registry import get_similarity
 from .similarity import (PLUGIN_ABI_VERSION, PLUGIN_CAPSULE_NAME, PLUGIN_CAPSULE_NAME_V1,
@@ -240,6 +240,7 @@ class PreparedAttention:
         return _execute(c)
 
 
+@_alloc.cached
 def attention(query, key, value, similarity="dot", *, params=None, attn_mask=None,
               is_causal=False, return_weights=False, causal_alignment="top_left",
               out=None, n_threads=None, return_lse=False):
@@ -780,6 +781,7 @@ def _plugin_backward(sim):
     return fns if (fns[2] or fns[3]) else None
 
 
+@_alloc.cached
 def attention_backward(grad_out, query, key, value, similarity="dot", *, params=None, out, lse,
                        attn_mask=None, is_causal=False, causal_alignment="top_left",
                        n_threads=None):

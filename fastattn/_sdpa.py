@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _kernels, _threads
+from . import _alloc, _kernels, _threads
 from . import _masks
 from ._masks import check_attn_mask
 from ._validation import (
@@ -164,6 +164,7 @@ def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize,
     return path, bq, bk, no_blas, nt, ntasks, reason
 
 
+@_alloc.cached
 def scaled_dot_product_attention(
     query,
     key,
@@ -570,6 +571,7 @@ def explain_backward(query, key, value, attn_mask=None, is_causal=False, scale=N
                         nt, ntasks, extra, reason)
 
 
+@_alloc.cached
 def sdpa_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
                   scale=None, *, causal_alignment="top_left", mask_grad=False, n_threads=None):
     """Gradients of :func:`scaled_dot_product_attention` (FlashAttention-2).

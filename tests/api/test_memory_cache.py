@@ -200,3 +200,23 @@ def test_a_forked_child_allocates(cache_limit):
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("op", ["sdpa", "sdpa_backward", "attention", "attention_backward"])
+def test_the_attention_ops_allocate_through_the_cache(op, cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    F = fastattn.functional
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 8, 512, 64), dtype=np.float32)   # 1 MiB results
+    out, lse = F.scaled_dot_product_attention(q, q, q, return_lse=True)
+    if op == "sdpa":
+        res = out
+    elif op == "sdpa_backward":
+        res = F.sdpa_backward(out, q, q, q, out, lse)[0]
+    elif op == "attention":
+        res = F.attention(q, q, q, "dot")
+    else:
+        res = F.attention_backward(out, q, q, q, "dot", out=out, lse=lse)[0]
+    assert handler_name(res) == _memory.NAME
+    fastattn.set_memory_cache(0)
+    assert handler_name(F.scaled_dot_product_attention(q, q, q)) != _memory.NAME
