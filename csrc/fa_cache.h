@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FA_CACHE_MIN_BYTES ((size_t)1 << 20)
+#define FA_CACHE_MIN_BYTES ((size_t)128 << 10)
 #define FA_CACHE_SLOTS 128
 
 void *fa_cache_malloc(size_t size);

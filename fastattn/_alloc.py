@@ -8,7 +8,7 @@ step on a 2-core Xeon, ``clear_page_erms`` in ``perf``).  While a layer runs
 (``__call__``, ``forward_backward`` and the backprop it returns,
 ``loss_and_grads``), NumPy allocates through fastattn's data-memory handler
 (NEP 49, :mod:`fastattn._memory` over ``csrc/fa_cache.c``): blocks of at
-least 1 MiB freed later go to a bounded cache and serve the next requests of
+least 128 KiB (glibc's default mmap threshold) freed later go to a bounded cache and serve the next requests of
 about their size.  Arrays outside fastattn's layers are not affected (NumPy
 keeps the handler in a context variable); an array made by a layer keeps the
 handler for its life, whoever frees it.

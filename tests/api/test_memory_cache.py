@@ -14,7 +14,7 @@ from fastattn import _memory
 from fastattn import layers as L
 
 handler_name = np._core.multiarray.get_handler_name
-BIG = 2 << 20   # bytes: above the cache's 1 MiB threshold
+BIG = 2 << 20   # bytes: above the cache's threshold (_memory.MIN_BYTES)
 
 
 @pytest.fixture
@@ -220,3 +220,7 @@ def test_the_attention_ops_allocate_through_the_cache(op, cache_limit):
     assert handler_name(res) == _memory.NAME
     fastattn.set_memory_cache(0)
     assert handler_name(F.scaled_dot_product_attention(q, q, q)) != _memory.NAME
+
+
+def test_threshold():
+    assert _memory.MIN_BYTES == 128 << 10 and BIG >= _memory.MIN_BYTES
