@@ -228,6 +228,16 @@ def run_child(code, args=(), env_update=None, env_remove=(), timeout=300):
                               env=env, cwd=cwd, timeout=timeout)
 
 
+def run_in_threads(work, n):
+    """Run ``work(i)`` for i in range(n) on n threads at once; wait for all."""
+    import threading
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 # --------------------------------------------------------------------------
 # Property budgets: the hypothesis profiles are registered in conftest.py
 # (see docs/testing.md).

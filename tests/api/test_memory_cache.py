@@ -2,9 +2,6 @@
 allocate through it, it reuses freed large blocks within its limit, and it
 never changes a result."""
 import os
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +9,7 @@ import pytest
 import fastattn
 from fastattn import _memory
 from fastattn import layers as L
+from support import run_child, run_in_threads
 
 handler_name = np._core.multiarray.get_handler_name
 BIG = 2 << 20   # bytes: above the cache's threshold (_memory.MIN_BYTES)
@@ -139,12 +137,9 @@ def test_bad_limit(value, exc, words, cache_limit):
 
 
 def _limit_in_child(value):
-    env = dict(os.environ, FASTATTN_MEMORY_CACHE=value)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "import fastattn; print(fastattn.memory_cache_info()['limit'])"
-    r = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=os.path.dirname(root),
-                       capture_output=True, text=True, timeout=120)
+    r = run_child("import warnings; warnings.simplefilter('always'); import fastattn; "
+                  "print(fastattn.memory_cache_info()['limit'])",
+                  env_update={"FASTATTN_MEMORY_CACHE": value}, timeout=120)
     assert r.returncode == 0, r.stderr
     return int(r.stdout.split()[-1]), r.stderr
 
@@ -179,11 +174,7 @@ def test_threads_allocate_and_free_concurrently(cache_limit):
         finally:
             _memory.exit(prev)
 
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors
     assert fastattn.memory_cache_info()["cached_bytes"] <= 8 * BIG
 

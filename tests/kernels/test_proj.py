@@ -8,7 +8,7 @@ import pytest
 
 import fastattn
 from fastattn import _bench, _multihead, _proj, _threads
-from support import assert_close, randn
+from support import assert_close, randn, run_in_threads
 
 
 def _linear(x, w, b, n_threads, y=None):
@@ -135,11 +135,7 @@ def test_concurrent_calls_share_one_blas_counter(rng):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors, errors
     assert lib.get_threads() == before
 

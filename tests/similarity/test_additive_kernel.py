@@ -3,7 +3,6 @@ benchmark shapes, memory, SIMD vs scalar, threads, and compiled plugins'
 error paths through the plugin ABI."""
 from __future__ import annotations
 
-import threading
 import tracemalloc
 
 import numpy as np
@@ -16,7 +15,7 @@ from fastattn._attention import SimilarityError
 from fastattn.similarity import CompiledSimilarity, ParamSpec
 
 import test_plugin_backward
-from support import assert_close, randn
+from support import assert_close, randn, run_in_threads
 
 
 def _tanh(x):
@@ -169,11 +168,7 @@ def test_concurrent_calls_from_python_threads(rng):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors
     for r in results:
         np.testing.assert_array_equal(r, expected)

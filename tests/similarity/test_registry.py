@@ -1,8 +1,6 @@
 """The similarity registry, user (NumPy) plugins and their error messages."""
 from __future__ import annotations
 
-import sys
-import threading
 import tracemalloc
 import types
 import warnings
@@ -16,7 +14,7 @@ from fastattn._attention import SimilarityError
 from fastattn.registry import FastattnPluginWarning, UnknownSimilarityError
 from fastattn.similarity import AdditiveSimilarity, ParamSpec, Similarity
 
-from support import assert_close, randn
+from support import assert_close, randn, run_in_threads
 
 BUILTINS = ("additive", "concat", "cosine", "dot", "general", "scaled_dot")
 
@@ -158,11 +156,7 @@ def test_registry_is_thread_safe():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_in_threads(work, 4)
     assert not errors
     assert not [n for n in fastattn.available_similarities() if n.startswith("t")]
 
