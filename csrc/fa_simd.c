@@ -868,7 +868,6 @@ AVX512 static inline __m512 exp16_nonpos_f32(__m512 x)
     x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);   /* a NaN x is kept */
     __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
     __m512 n = _mm512_sub_ps(t, magic);
-    __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(magic));
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.381461275741458e-3f);
@@ -877,15 +876,10 @@ AVX512 static inline __m512 exp16_nonpos_f32(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113199234e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999403953552e-1f));
     __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    __mmask16 out = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(-126), ni);
-    if (!out)
-        return _mm512_mul_ps(e, _mm512_castsi512_ps(
-                                    _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23)));
-    __m512i n1 = _mm512_srai_epi32(ni, 1);
-    __m512i n2 = _mm512_sub_epi32(ni, n1);
-    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, _mm512_set1_epi32(127)), 23));
-    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(_mm512_mul_ps(e, s1), s2);
+    /* e * 2^n rounded once (vscalefps), which is what the AVX2 version's
+     * exact multiply (normal results) and two-step scaling (subnormal ones,
+     * one rounding) give: the same bits, in one instruction */
+    return _mm512_scalef_ps(e, n);
 }
 
 AVX512 static inline __m256 hi256_f32z(__m512 v)
