@@ -177,3 +177,30 @@ def test_avx2_and_avx512_projection_row_blocks_agree_bitwise(rows, rng):
         _restore_simd()
     np.testing.assert_array_equal(res[1], res[2])
     assert_close(res[2][0], x[0].astype(np.float64) @ w.T.astype(np.float64) + b, np.float32)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_avx2_and_avx512_exp_rows_agree_bitwise(masked):
+    """The 512-bit exp scales by 2^n in one vscalefps, the 256-bit one by an
+    exact multiply or two steps for subnormal results: every float whose exp
+    is subnormal ([-104, -87.3]), a spread over [-200, 0], zeros and -inf
+    must give the same bits and the same row sums."""
+    sub = np.arange(np.float32(-87.3).view(np.uint32), np.float32(-104.0).view(np.uint32) + 1,
+                    dtype=np.uint32).view(np.float32)
+    spread = -np.random.default_rng(5).random(1 << 20, dtype=np.float32) * 200
+    specials = np.array([0.0, -0.0, -np.inf, -110.0, -126.0, -149.0, -150.0, -1e-30], np.float32)
+    x = np.concatenate([sub, spread, specials])
+    if not masked:
+        x = x[np.isfinite(x)]
+    res = {}
+    try:
+        for level in (1, 2):
+            _kernels.set_simd_max_level(level)
+            y = x.copy()
+            total = _kernels.expsub(y, 0.0, masked)
+            res[level] = (y, total)
+    finally:
+        _restore_simd()
+    np.testing.assert_array_equal(res[1][0].view(np.uint32), res[2][0].view(np.uint32))
+    assert res[1][1] == res[2][1]
+    np.testing.assert_allclose(res[2][0], np.exp(x.astype(np.float64)), rtol=2e-7, atol=1e-44)
