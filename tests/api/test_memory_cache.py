@@ -9,9 +9,13 @@ import pytest
 import fastattn
 from fastattn import _memory
 from fastattn import layers as L
+
 from support import run_child, run_in_threads
 
-handler_name = np._core.multiarray.get_handler_name
+try:
+    from numpy._core.multiarray import get_handler_name as handler_name
+except ImportError:   # NumPy 1.x
+    from numpy.core.multiarray import get_handler_name as handler_name
 BIG = 2 << 20   # bytes: above the cache's threshold (_memory.MIN_BYTES)
 
 
