@@ -28,8 +28,10 @@
 #define FA_ADD_AVX2 1
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
 #include "fa_exp_avx2.h"
 #include "fa_tanh_avx2.h"
+#include "fa_avx512_math.h"
 #else
 #define FA_ADD_AVX2 0
 #endif
@@ -145,53 +147,21 @@ AVX2 static inline double hsum4_f64(__m256d v)
     return _mm_cvtsd_f64(_mm_add_sd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1)));
 }
 
-/* s_ij = sum_a v_a tanh(q_ia + k_ja): four keys at a time (four independent
- * chains), d in steps of 8, a scalar tail for d % 8 */
-AVX2 static int additive_score_f32_avx2(const float *v, const float *q, int64_t ldq,
-                                        const float *k, int64_t ldk, int64_t tq, int64_t tk,
-                                        int64_t d, float *s, int64_t lds)
-{
-    const int64_t d8 = d & ~(int64_t)7;
-    for (int64_t i = 0; i < tq; i++) {
-        const float *qi = q + i * ldq;
-        float *si = s + i * lds;
-        int64_t j = 0;
-        for (; j + 4 <= tk; j += 4) {
-            const float *k0 = k + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < d8; c += 8) {
-                __m256 vq = _mm256_loadu_ps(qi + c), vv = _mm256_loadu_ps(v + c);
-                a0 = _mm256_fmadd_ps(vv, tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(k0 + c))), a0);
-                a1 = _mm256_fmadd_ps(vv, tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(k1 + c))), a1);
-                a2 = _mm256_fmadd_ps(vv, tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(k2 + c))), a2);
-                a3 = _mm256_fmadd_ps(vv, tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(k3 + c))), a3);
-            }
-            __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-            float out[4];
-            _mm_storeu_ps(out, r);
-            for (int t = 0; t < 4; t++) {
-                const float *kt = k + (j + t) * ldk;
-                for (int64_t c = d8; c < d; c++)
-                    out[t] += v[c] * tanhf(qi[c] + kt[c]);
-                si[j + t] = out[t];
-            }
-        }
-        for (; j < tk; j++) {
-            const float *kj = k + j * ldk;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t c = 0; c < d8; c += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(v + c),
-                                     tanh8_f32(_mm256_add_ps(_mm256_loadu_ps(qi + c),
-                                                             _mm256_loadu_ps(kj + c))), a0);
-            float acc = hsum8_f32(a0);
-            for (int64_t c = d8; c < d; c++)
-                acc += v[c] * tanhf(qi[c] + kj[c]);
-            si[j] = acc;
-        }
-    }
-    return 0;
-}
+#define FA_ROWS_ATTR AVX2
+#define FA_ROWS_SFX avx2
+#define FA_ROWS_WIDE 0
+#include "fa_additive_rows.h"
+#undef FA_ROWS_ATTR
+#undef FA_ROWS_SFX
+#undef FA_ROWS_WIDE
+
+#define FA_ROWS_ATTR AVX512
+#define FA_ROWS_SFX avx512
+#define FA_ROWS_WIDE 1
+#include "fa_additive_rows.h"
+#undef FA_ROWS_ATTR
+#undef FA_ROWS_SFX
+#undef FA_ROWS_WIDE
 
 AVX2 static void tanh_f64_avx2(const double *x, double *y, int64_t n)
 {
@@ -255,66 +225,6 @@ AVX2 static int additive_score_f64_avx2(const double *v, const double *q, int64_
 }
 
 /* ------------------------------------------ backward row kernels (AVX2) */
-
-/* fa_additive_bwd_impl.h's ab_tanh_rows: T[a] = tanh(q + kr[a]) (row stride
- * d) and s[a] = v . T[a], with the arithmetic of additive_score_f32_avx2
- * above (four keys at a time, the same sums): the forward's bits. */
-AVX2 static void ab_tanh_rows_avx2_f32(const float *q, const float *const *kr, int64_t na,
-                                       int64_t d, const float *v, float *T, float *s)
-{
-    const int64_t d8 = d & ~(int64_t)7;
-    int64_t a = 0;
-    for (; a + 4 <= na; a += 4) {
-        const float *ks[4] = {kr[a], kr[a + 1], kr[a + 2], kr[a + 3]};
-        float *t0 = T + a * d, *t1 = t0 + d, *t2 = t1 + d, *t3 = t2 + d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < d8; c += 8) {
-            __m256 vq = _mm256_loadu_ps(q + c), vv = _mm256_loadu_ps(v + c);
-            __m256 x0 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[0] + c)));
-            __m256 x1 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[1] + c)));
-            __m256 x2 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[2] + c)));
-            __m256 x3 = tanh8_f32(_mm256_add_ps(vq, _mm256_loadu_ps(ks[3] + c)));
-            _mm256_storeu_ps(t0 + c, x0);
-            _mm256_storeu_ps(t1 + c, x1);
-            _mm256_storeu_ps(t2 + c, x2);
-            _mm256_storeu_ps(t3 + c, x3);
-            a0 = _mm256_fmadd_ps(vv, x0, a0);
-            a1 = _mm256_fmadd_ps(vv, x1, a1);
-            a2 = _mm256_fmadd_ps(vv, x2, a2);
-            a3 = _mm256_fmadd_ps(vv, x3, a3);
-        }
-        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-        float out[4];
-        _mm_storeu_ps(out, r);
-        for (int t = 0; t < 4; t++) {
-            float *tt = T + (a + t) * d;
-            for (int64_t c = d8; c < d; c++) {
-                float x = tanhf(q[c] + ks[t][c]);
-                tt[c] = x;
-                out[t] += v[c] * x;
-            }
-            s[a + t] = out[t];
-        }
-    }
-    for (; a < na; a++) {
-        const float *kj = kr[a];
-        float *tt = T + a * d;
-        __m256 a0 = _mm256_setzero_ps();
-        for (int64_t c = 0; c < d8; c += 8) {
-            __m256 x = tanh8_f32(_mm256_add_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kj + c)));
-            _mm256_storeu_ps(tt + c, x);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(v + c), x, a0);
-        }
-        float acc = hsum8_f32(a0);
-        for (int64_t c = d8; c < d; c++) {
-            float x = tanhf(q[c] + kj[c]);
-            tt[c] = x;
-            acc += v[c] * x;
-        }
-        s[a] = acc;
-    }
-}
 
 /* p[0..8) += x (converted to double) */
 AVX2 static inline void acc8_f64(double *p, __m256 x)
@@ -608,6 +518,8 @@ int fa_additive_score_f32(const void *params, const float *q, int64_t ldq, const
 {
     const float *v = (const float *)params;
 #if FA_ADD_AVX2
+    if (fa_simd_level() >= 2)   /* the same bits (fa_additive_rows.h) */
+        return additive_score_f32_avx512(v, q, ldq, k, ldk, tq, tk, d, s, lds);
     if (fa_simd_active())
         return additive_score_f32_avx2(v, q, ldq, k, ldk, tq, tk, d, s, lds);
 #endif
@@ -887,6 +799,13 @@ static inline float ops_expsub_f32(const fa_rowops *o, float *x, int64_t n, floa
 static inline double ops_expsub_f64(const fa_rowops *o, double *x, int64_t n, double m) { return o->expsub_sum_f64(x, n, m); }
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }
+
+#if FA_ADD_AVX2
+/* the backward's tanh rows on AVX-512 CPUs: float has a 512-bit version with
+ * the same bits, double keeps the AVX2 one */
+#define ab_tanh_rows_wide_f32 ab_tanh_rows_avx512_f32
+#define ab_tanh_rows_wide_f64 ab_tanh_rows_avx2_f64
+#endif
 
 #define REAL float
 #define SFX f32

@@ -328,7 +328,7 @@ int FN(fa_additive_bwd)(fa_additive_bwd_args *a)
     j.grad_rows = FN(ab_grad_rows_scalar);
 #if FA_ADD_AVX2
     if (fa_simd_active()) {
-        j.tanh_rows = FN(ab_tanh_rows_avx2);
+        j.tanh_rows = fa_simd_level() >= 2 ? FN(ab_tanh_rows_wide) : FN(ab_tanh_rows_avx2);
         j.grad_rows = FN(ab_grad_rows_avx2);
     }
 #endif

@@ -860,27 +860,7 @@ static const fa_rowops avx2_ops = {
     dot64_f32_avx2, dot64_f64_avx2,
 };
 
-/* exp16_nonpos_f32: exp8_nonpos_f32 (fa_exp_avx2.h) lane for lane, the same
- * operations in the same order, so the same bits. */
-AVX512 static inline __m512 exp16_nonpos_f32(__m512 x)
-{
-    const __m512 magic = _mm512_set1_ps(12582912.0f); /* 1.5 * 2^23 */
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);   /* a NaN x is kept */
-    __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
-    __m512 n = _mm512_sub_ps(t, magic);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.381461275741458e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710055947304e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899254799e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113199234e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999403953552e-1f));
-    __m512 e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    /* e * 2^n rounded once (vscalefps), which is what the AVX2 version's
-     * exact multiply (normal results) and two-step scaling (subnormal ones,
-     * one rounding) give: the same bits, in one instruction */
-    return _mm512_scalef_ps(e, n);
-}
+#include "fa_avx512_math.h"
 
 AVX512 static inline __m256 hi256_f32z(__m512 v)
 {

@@ -204,3 +204,27 @@ def test_avx2_and_avx512_exp_rows_agree_bitwise(masked):
     np.testing.assert_array_equal(res[1][0].view(np.uint32), res[2][0].view(np.uint32))
     assert res[1][1] == res[2][1]
     np.testing.assert_allclose(res[2][0], np.exp(x.astype(np.float64)), rtol=2e-7, atol=1e-44)
+
+
+@pytest.mark.parametrize("d_a", [16, 40, 43, 128])
+def test_avx2_and_avx512_additive_agree_bitwise(d_a, rng):
+    """The fused additive kernel's float rows: on AVX-512 the tanh of 16
+    features at a time, its halves summed as the 256-bit loop sums them; the
+    forward, its lse and the backward (which recomputes the tanh rows) are the
+    same bits on both (d_a: whole 16s, a trailing 8, a scalar tail)."""
+    F = fastattn.functional
+    B, Tq, Tk, d = 2, 37, 29, 24
+    q, k, v = (randn(rng, (B, t, d), np.float32) for t in (Tq, Tk, Tk))
+    g = randn(rng, (B, Tq, d), np.float32)
+    p = fastattn.get_similarity("additive").init_params(d, d, d_a=d_a, rng=3, dtype=np.float32)
+    res = {}
+    try:
+        for level in (1, 2):
+            _kernels.set_simd_max_level(level)
+            out, lse = fastattn.attention(q, k, v, "additive", params=p, return_lse=True)
+            dq, dk, dv, dp = F.attention_backward(g, q, k, v, "additive", params=p, out=out, lse=lse)
+            res[level] = [out, lse, dq, dk, dv] + [dp[n] for n in sorted(dp)]
+    finally:
+        _restore_simd()
+    for a, b in zip(res[1], res[2]):
+        np.testing.assert_array_equal(a, b)
