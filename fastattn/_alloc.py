@@ -13,8 +13,11 @@ about their size.  Arrays outside fastattn's layers are not affected (NumPy
 keeps the handler in a context variable); an array made by a layer keeps the
 handler for its life, whoever frees it.
 
-Also the public ops `scaled_dot_product_attention`, `sdpa_backward`, `attention` and
-`attention_backward` allocate through the cache.
+Also the public ops allocate through the cache: `scaled_dot_product_attention`,
+`sdpa_backward`, `attention`, `attention_backward`, `linear`, `linear_backward`,
+`rnn_scan`, `rnn_scan_backward`, `rnn_cell`, `rnn_cell_backward`,
+`multi_head_attention`, `multi_head_attention_backward` and
+`multi_head_attention_forward_backward` (and the backward it returns).
 
 The cache holds at most :func:`set_memory_cache`'s limit (default 256 MiB,
 or the ``FASTATTN_MEMORY_CACHE`` environment variable at import: bytes, or a
@@ -130,3 +133,8 @@ def cached_method(fn, *, returns_backprop=False):
 def cached(fn):
     """Decorator: ``fn`` (a public op) allocates through the cache."""
     return cached_method(fn)
+
+
+def cached_forward_backward(fn):
+    """Decorator: ``fn`` returns ``(..., backward)``; both run on the cache."""
+    return cached_method(fn, returns_backprop=True)

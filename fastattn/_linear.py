@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _proj, _rowwise, _threads
+from . import _alloc, _proj, _rowwise, _threads
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
 
@@ -131,6 +131,7 @@ def _check_args(x, weight, bias):
     return x, w, b, cdt, rdt
 
 
+@_alloc.cached
 def linear(x, weight, bias=None, *, n_threads=None):
     """``x @ weight.T + bias`` (torch's ``F.linear``).
 
@@ -200,6 +201,7 @@ def _matmul(a, b, cdt, n_threads, kc=0):
     return c
 
 
+@_alloc.cached
 def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     """Gradients of :func:`linear`: ``(dx, dweight, dbias)``.
 

@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _proj, _threads
+from . import _alloc, _proj, _threads
 from ._linear import linear_backward
 from ._masks import MASK_ADD, MASK_BOOL, kernel_mask
 from ._validation import (
@@ -441,6 +441,7 @@ def _project_heads(p: _Prepared):
     return q, k, v, mask, out, attn
 
 
+@_alloc.cached
 def multi_head_attention(
     query,
     key,
@@ -574,6 +575,7 @@ def _forward(p: _Prepared):
 
 # ------------------------------------------------------------------ backward
 
+@_alloc.cached
 def multi_head_attention_backward(
     grad_out,
     query,
@@ -627,6 +629,7 @@ def multi_head_attention_backward(
     return _backward(p, _train_forward(p), g, query, key, value, given, False)
 
 
+@_alloc.cached_forward_backward
 def multi_head_attention_forward_backward(
     query,
     key,

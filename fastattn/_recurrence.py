@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _rnn, _threads
+from . import _alloc, _rnn, _threads
 from ._linear import _dtypes, _matmul, linear, linear_backward
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
@@ -137,6 +137,7 @@ def _scan_args(xw, w_hh, b_hh, h0, cell, c0, lengths, reverse, n_threads) -> _Sc
     return _ScanArgs(xw, w, b, h, c, lens, B, T, H, GH, nt, ct, rdt, arrays)
 
 
+@_alloc.cached
 def rnn_scan(xw, w_hh, b_hh, h0, *, cell="gru", c0=None, lengths=None, reverse=False,
              return_outputs=True, return_gates=False, n_threads=None):
     """Run the recurrence of one RNN layer and direction over all time steps.
@@ -196,6 +197,7 @@ def _scan_result(out, h, c, gates, rdt):
     return res if gates is None else res + (_as(gates, rdt),)
 
 
+@_alloc.cached
 def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, cell="gru",
                       c0=None, grad_c_n=None, lengths=None, reverse=False, gates=None,
                       n_threads=None):
@@ -332,6 +334,7 @@ def _states_before(out, h0, lens, reverse):
     return hprev
 
 
+@_alloc.cached
 def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None):
     """One step of an RNN cell for a batch: both products and the gates in one call.
 
@@ -405,6 +408,7 @@ def rnn_cell(x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None, n_threads=None
     return _as(h1, rdt), _as(c1, rdt)
 
 
+@_alloc.cached
 def rnn_cell_backward(grad_h, x, h, w_ih, b_ih, w_hh, b_hh, *, cell="gru", c=None,
                       grad_c=None, n_threads=None):
     """Gradients of :func:`rnn_cell` (one step).

@@ -19,6 +19,13 @@ except ImportError:   # NumPy 1.x
 BIG = 2 << 20   # bytes: above the cache's threshold (_memory.MIN_BYTES)
 
 
+def owner_handler(a):
+    """The handler of the array that owns a's memory (a may be a view)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return handler_name(a)
+
+
 @pytest.fixture
 def cache_limit():
     """Restore the limit (and the handler switch) after the test."""
@@ -219,3 +226,35 @@ def test_the_attention_ops_allocate_through_the_cache(op, cache_limit):
 
 def test_threshold():
     assert _memory.MIN_BYTES == 128 << 10 and BIG >= _memory.MIN_BYTES
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_backward", "rnn_scan", "rnn_scan_backward",
+                                "multi_head_attention", "multi_head_attention_forward_backward"])
+def test_the_other_ops_allocate_through_the_cache(op, cache_limit):
+    fastattn.set_memory_cache(256 << 20)
+    F = fastattn.functional
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 64, 256), dtype=np.float32)       # 256 KiB
+    w = rng.standard_normal((768, 256), dtype=np.float32) * 0.05
+    b = np.zeros(768, np.float32)
+    h0 = np.zeros((4, 256), np.float32)
+    if op == "linear":
+        res = F.linear(x, w, b)
+    elif op == "linear_backward":
+        res = F.linear_backward(F.linear(x, w, b), x, w, b)[0]
+    elif op == "rnn_scan":
+        res = F.rnn_scan(F.linear(x, w, b), w[:, :256].copy(), b, h0, cell="gru")[0]
+    elif op == "rnn_scan_backward":
+        xw = F.linear(x, w, b)
+        out = F.rnn_scan(xw, w[:, :256].copy(), b, h0, cell="gru")[0]
+        res = F.rnn_scan_backward(out, None, xw, w[:, :256].copy(), b, h0, out, cell="gru")[0]
+    else:
+        wq = {"w_qkv": w, "b_qkv": b, "w_out": w[:256].copy(), "b_out": b[:256].copy()}
+        if op == "multi_head_attention":
+            res = F.multi_head_attention(x, x, x, num_heads=4, **wq)
+        else:
+            out, backward = F.multi_head_attention_forward_backward(x, x, x, num_heads=4, **wq)
+            grads = backward(out)
+            res = grads[0] if isinstance(grads, tuple) else next(iter(grads.values()))
+            assert owner_handler(out) == _memory.NAME
+    assert owner_handler(res) == _memory.NAME
