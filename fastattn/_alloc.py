@@ -40,6 +40,7 @@ DEFAULT_LIMIT = 256 << 20
 ENV = "FASTATTN_MEMORY_CACHE"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
+#: the C limit > 0, kept here so a layer call reads a global instead of calling C
 _enabled = True
 
 
@@ -60,7 +61,7 @@ def set_memory_cache(limit):
         raise TypeError(f"limit: expected an int number of bytes, got {type(limit).__name__}")
     if limit < 0:
         raise ValueError(f"limit: expected a number of bytes >= 0, got {limit}")
-    prev = _memory.limit() if _enabled else 0
+    prev = _memory.limit()
     _memory.set_limit(limit)
     _enabled = limit > 0
     return prev
@@ -70,10 +71,7 @@ def memory_cache_info():
     """``{"limit", "cached_bytes", "cached_blocks", "hits", "misses"}``: the
     cache's limit, what it holds now, and how many large requests it served
     (hits) or passed on to malloc (misses) since the process started."""
-    info = _memory.stats()
-    if not _enabled:
-        info["limit"] = 0
-    return info
+    return _memory.stats()
 
 
 def release_memory():
@@ -96,18 +94,6 @@ def _init_from_env():
 _init_from_env()
 
 
-def _wrap_backprop(bp):
-    @functools.wraps(bp)
-    def backprop(*args, **kwargs):
-        prev = _memory.enter() if _enabled else None
-        try:
-            return bp(*args, **kwargs)
-        finally:
-            _memory.exit(prev)
-    backprop._fa_cached = True
-    return backprop
-
-
 def cached_method(fn, *, returns_backprop=False):
     """``fn`` running with the cache as NumPy's handler; with
     ``returns_backprop``, a tuple result whose last item is callable gets that
@@ -122,9 +108,8 @@ def cached_method(fn, *, returns_backprop=False):
             res = fn(*args, **kwargs)
         finally:
             _memory.exit(prev)
-        if returns_backprop and type(res) is tuple and res and callable(res[-1]) \
-                and not getattr(res[-1], "_fa_cached", False):
-            res = res[:-1] + (_wrap_backprop(res[-1]),)
+        if returns_backprop and type(res) is tuple and res and callable(res[-1]):
+            res = res[:-1] + (cached_method(res[-1]),)   # the backprop, on the cache too
         return res
     wrapper._fa_cached = True
     return wrapper
