@@ -226,7 +226,7 @@ static AVX2 void pk_##R(int64_t kc, const float *x, int64_t ldx, const float *bp
     const int full = rem == 16;                                                            \
     _Pragma("GCC unroll 6")                                                                \
     for (int r = 0; r < R; r++) {                                                          \
-        const float *src = first ? bias : y + r * ldy;                                     \
+        const float *src = first ? bias : NULL;                                            \
         __m256 b0 = _mm256_setzero_ps(), b1 = b0;                                          \
         if (src) {                                                                         \
             b0 = full ? _mm256_loadu_ps(src) : _mm256_maskload_ps(src, m0);                \
@@ -269,6 +269,11 @@ static AVX2 void pk_##R(int64_t kc, const float *x, int64_t ldx, const float *bp
             s0 = _mm256_add_ps(s0, a[u][r][0]);                                            \
             s1 = _mm256_add_ps(s1, a[u][r][1]);                                            \
         }                                                                                  \
+        if (!first) {   /* a later run: summed from zero, then added to y */               \
+            s0 = _mm256_add_ps(full ? _mm256_loadu_ps(yr) : _mm256_maskload_ps(yr, m0), s0);  \
+            s1 = _mm256_add_ps(full ? _mm256_loadu_ps(yr + 8)                              \
+                                    : _mm256_maskload_ps(yr + 8, m1), s1);                 \
+        }                                                                                  \
         if (full) {                                                                        \
             _mm256_storeu_ps(yr, s0);                                                      \
             _mm256_storeu_ps(yr + 8, s1);                                                  \
@@ -298,7 +303,7 @@ static AVX2 void pk_1(int64_t kc, const float *x, int64_t ldx, const float *bp, 
     const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem - 8), lanes);
     const int full = rem == 16;
     __m256 a0, a1;
-    const float *src = first ? bias : y;
+    const float *src = first ? bias : NULL;   /* a later run: from zero, y added at the end */
     if (src) {
         a0 = full ? _mm256_loadu_ps(src) : _mm256_maskload_ps(src, m0);
         a1 = full ? _mm256_loadu_ps(src + 8) : _mm256_maskload_ps(src + 8, m1);
@@ -329,6 +334,10 @@ static AVX2 void pk_1(int64_t kc, const float *x, int64_t ldx, const float *bp, 
     }
     a0 = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0, d0));
     a1 = _mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1));
+    if (!first) {
+        a0 = _mm256_add_ps(full ? _mm256_loadu_ps(y) : _mm256_maskload_ps(y, m0), a0);
+        a1 = _mm256_add_ps(full ? _mm256_loadu_ps(y + 8) : _mm256_maskload_ps(y + 8, m1), a1);
+    }
     if (full) {
         _mm256_storeu_ps(y, a0);
         _mm256_storeu_ps(y + 8, a1);
@@ -366,7 +375,7 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
     const float *bq = bp + pstride;                                                        \
     _Pragma("GCC unroll 8")                                                                \
     for (int r = 0; r < R; r++) {                                                          \
-        const float *src = first ? bias : y + r * ldy;                                     \
+        const float *src = first ? bias : NULL;                                            \
         __m512 b0 = _mm512_setzero_ps(), b1 = b0;                                          \
         if (src) {                                                                         \
             b0 = _mm512_maskz_loadu_ps(m0, src);                                           \
@@ -416,6 +425,10 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
                 s0 = _mm512_add_ps(s0, a[u][r][0]);                                        \
                 s1 = _mm512_add_ps(s1, a[u][r][1]);                                        \
             }                                                                              \
+        }                                                                                  \
+        if (!first) {   /* a later run: summed from zero, then added to y */               \
+            s0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, yr), s0);                         \
+            s1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, yr + 16), s1);                    \
         }                                                                                  \
         _mm512_mask_storeu_ps(yr, m0, s0);                                                 \
         _mm512_mask_storeu_ps(yr + 16, m1, s1);                                            \
@@ -471,9 +484,11 @@ static int64_t g_pk_kc = FA_PROJ_PACKED_KC;
 static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                            const float *wp, const float *b, float *y, int64_t ldy, int wide)
+                            const float *wp, const float *b, float *y, int64_t ldy, int wide,
+                            int64_t runs)
 {
-    const int64_t KC = g_pk_kc > 0 ? g_pk_kc : k, MC = g_pk_mc > 0 ? g_pk_mc : m;
+    const int64_t KC = runs > 0 ? runs : g_pk_kc > 0 ? g_pk_kc : k;
+    const int64_t MC = g_pk_mc > 0 ? g_pk_mc : m;
     wide = wide && cpu_has_avx512f();
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t i1 = i0 + MC < m ? i0 + MC : m;
@@ -664,18 +679,26 @@ void fa_proj_packed_tune(int64_t kc, int64_t mc)
 #endif
 }
 
+int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                            const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
+                            int wide, int64_t runs)
+{
+#ifdef FA_PROJ_AVX2
+    if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || runs < 0
+        || !fa_proj_packed_available())
+        return FA_PROJ_EINVAL;
+    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide, runs);
+    return 0;
+#else
+    (void)m; (void)n; (void)k; (void)x; (void)ldx; (void)wp; (void)c0; (void)b; (void)y; (void)ldy;
+    (void)wide; (void)runs;
+    return FA_PROJ_EINVAL;
+#endif
+}
+
 int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                        const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
                        int wide)
 {
-#ifdef FA_PROJ_AVX2
-    if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || !fa_proj_packed_available())
-        return FA_PROJ_EINVAL;
-    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide);
-    return 0;
-#else
-    (void)m; (void)n; (void)k; (void)x; (void)ldx; (void)wp; (void)c0; (void)b; (void)y; (void)ldy;
-    (void)wide;
-    return FA_PROJ_EINVAL;
-#endif
+    return fa_proj_packed_runs_f32(m, n, k, x, ldx, wp, c0, b, y, ldy, wide, 0);
 }

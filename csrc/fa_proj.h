@@ -67,7 +67,16 @@ int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t 
                        const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
                        int wide);
 
-/* Cache blocking of fa_proj_packed_f32: k in chunks of kc, rows in chunks of
+/* fa_proj_packed_f32 with the reduction in runs of `runs` terms (0: the
+ * blocking below): each run summed from zero (the first from b), then added
+ * to y, in order -- the same floats as one call a run (each without b but the
+ * first) with the results added in run order.  Shorter sums: linear_backward's
+ * long reductions stay as accurate as MKL's. */
+int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                            const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
+                            int wide, int64_t runs);
+
+/* Cache blocking of fa_proj_packed_f32: k in runs of kc (as above), rows in chunks of
  * mc (0: no split); fa_proj_packed_tune changes them (tuning sweeps).  Measured
  * (one thread, K = 512, N = 512 / 1536): splitting k (128, 256) was slower at
  * every size (59-73 vs 90 GFLOP/s at 2048 x 1536); rows in chunks of 48-144

@@ -293,17 +293,7 @@ def _packed_product(a, bt, out, n_threads):
     """``out (M, N) = a (M, R) @ bt (R, N)`` in float32 on the packed kernel
     (:func:`fastattn._proj.linear` with ``w_transposed``), the reduction in
     runs of :data:`PACKED_KC` (the same bits for any ``n_threads``)."""
-    R = a.shape[1]
-    if R <= PACKED_KC:
-        _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True)
-        return out
-    part = np.empty_like(out)
-    for k0 in range(0, R, PACKED_KC):
-        k1 = min(R, k0 + PACKED_KC)
-        dst = out if k0 == 0 else part
-        _proj.linear(a[None, :, k0:k1], bt[k0:k1], None, dst[None], n_threads, w_transposed=True)
-        if k0:
-            out += part
+    _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=PACKED_KC)
     return out
 
 

@@ -81,9 +81,9 @@ cdef extern from "fa_proj.h" nogil:
                                int64_t lds, float *dst, int64_t ldd, int simd)
     int fa_proj_packed_available()
     void fa_proj_packed_tune(int64_t kc, int64_t mc)
-    int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
-                           const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
-                           int wide)
+    int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                                const float *wp, int64_t c0, const float *b, float *y,
+                                int64_t ldy, int wide, int64_t runs)
     int FA_PROJ_PANEL
     int FA_PROJ_PACKED_KC
     int FA_PROJ_PACKED_MC
@@ -209,6 +209,7 @@ ctypedef struct lin_ctx:
     char *wp                  # the packed weights (fa_proj_pack_f32), or NULL
     int packed                # use fa_proj_packed_f32 on wp
     int wide                  # ... with its AVX-512 kernels (fastattn's SIMD level 2)
+    int64_t runs              # ... with the reduction in runs of this many terms (0: one)
     int status                # first non-zero status of fa_proj_small_f32 (0: all ran)
 
 
@@ -301,9 +302,9 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
     cdef int rc
     if c.packed:
-        rc = fa_proj_packed_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
-                                <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
-                                <float *>y, c.ldy, c.wide)
+        rc = fa_proj_packed_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
+                                     <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                                     <float *>y, c.ldy, c.wide, c.runs)
         if rc != 0:
             fa_store_status(&c.status, rc)
         return
@@ -427,7 +428,7 @@ def transpose_f32(cnp.ndarray a, cnp.ndarray out, int n_threads):
 
 
 def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
-           object wp=None, bint w_transposed=False):
+           object wp=None, bint w_transposed=False, int64_t runs=0):
     """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
 
     ``wp`` (float32 only): ``w``'s packed form (:func:`pack_f32`, or a slice of
@@ -439,7 +440,10 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     ``(K, N)`` -- ``y = x @ w`` --, packed for this call by copies
     (csrc/fa_proj.h's fa_proj_pack_t_panels_f32) and read by the packed
     kernel; the caller checks :func:`packs_transposed` first (ValueError
-    otherwise).  Without ``wp``, a
+    otherwise).  ``runs`` > 0 (with ``w_transposed`` only): the reduction in
+    runs of that many terms, each summed from zero and added to ``y`` in
+    order (csrc/fa_proj.h's fa_proj_packed_runs_f32: the bits of one call a
+    run, the results added in run order).  Without ``wp``, a
     float32 product of at least ``pack_min_rows`` rows (all batch items) whose
     packed ``w`` fits ``pack_max_elems`` packs ``w`` itself first (on the same
     threads, into this thread's scratch, :func:`release_pack_buffer`) and
@@ -537,6 +541,17 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
         # for any n_threads, as linear_backward promises; FA_PROJ_PACKED_MC
         # rows, the kernel's own cache blocking
         c.mb = c.M if c.M < FA_PROJ_PACKED_MC else FA_PROJ_PACKED_MC
+        # too few row blocks for the threads (dW's few hundred output rows):
+        # split the columns too -- panels are independent, so bits do not move
+        if nt > 1 and <int64_t>nb * ((c.M + c.mb - 1) // c.mb) < 2 * target:
+            c.nbc = <int>((2 * target + nb * ((c.M + c.mb - 1) // c.mb) - 1)
+                          // (nb * ((c.M + c.mb - 1) // c.mb)))
+            if c.nbc > c.N // g_min_block_cols:
+                c.nbc = c.N // g_min_block_cols
+            if c.nbc < 1:
+                c.nbc = 1
+            c.cb = (c.N + c.nbc - 1) // c.nbc
+            c.cb = (c.cb + 15) // 16 * 16
     c.nbm = (c.M + c.mb - 1) // c.mb
     c.nbc = (c.N + c.cb - 1) // c.cb
     ntasks = <int64_t>nb * c.nbm * c.nbc
@@ -547,6 +562,10 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
                          or c.mb > g_packed_m):
         raise ValueError("fastattn._proj.linear: w_transposed needs a float32 product that "
                          "packs_transposed accepts, and no wp")
+    if runs < 0 or (runs > 0 and not w_transposed):
+        raise ValueError(f"fastattn._proj.linear: runs must be 0, or > 0 with w_transposed; "
+                         f"got {runs}")
+    c.runs = runs
     pk.trans = w_transposed
     if (wp is None and c.f32 and g_pack_min_rows > 0 and <int64_t>nb * c.M >= g_pack_min_rows
             and psize <= g_pack_max_elems and runtime_simd(&g_rt)

@@ -55,6 +55,42 @@ def test_linear_with_w_transposed(M, K, N, rng):
         np.testing.assert_array_equal(y, ys[0])
 
 
+@needs_packed
+@pytest.mark.parametrize("M, K, N", [(64, 129, 17), (97, 300, 33), (256, 1100, 300),
+                                     (1000, 256, 40), (65, 127, 16)])
+@pytest.mark.parametrize("runs", [1, 64, 128, 5000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_runs_equal_one_call_a_run_added_in_order(M, K, N, runs, with_bias, rng):
+    """runs=r: each run of r reduction terms summed from zero (the first from
+    the bias) and added to y in order -- bit for bit one call a run, the
+    results added in run order; any thread count."""
+    x = randn(rng, (1, M, K), np.float32)
+    wt = randn(rng, (K, N), np.float32)
+    b = randn(rng, (N,), np.float32) if with_bias else None
+    want = np.empty((1, M, N), np.float32)
+    part = np.empty_like(want)
+    for k0 in range(0, K, runs):
+        dst = want if k0 == 0 else part
+        _proj.linear(x[:, :, k0:k0 + runs], wt[k0:k0 + runs], b if k0 == 0 else None, dst, 1,
+                     w_transposed=True)
+        if k0:
+            want += part
+    for nt in (1, 2, 3):
+        y = np.full((1, M, N), np.nan, np.float32)
+        _proj.linear(x, wt, b, y, nt, w_transposed=True, runs=runs)
+        np.testing.assert_array_equal(y, want)
+
+
+def test_runs_need_w_transposed(rng):
+    x = randn(rng, (1, 80, 5), np.float32)
+    w = randn(rng, (3, 5), np.float32)
+    with pytest.raises(ValueError, match="runs"):
+        _proj.linear(x, w, None, np.empty((1, 80, 3), np.float32), 2, runs=4)
+    with pytest.raises(ValueError, match="runs"):
+        _proj.linear(x, w.T.copy(), None, np.empty((1, 80, 3), np.float32), 2,
+                     w_transposed=True, runs=-1)
+
+
 def test_w_transposed_refused_where_it_cannot_pack(rng):
     x = randn(rng, (1, 8, 5), np.float32)       # 8 rows: fewer than pack_min_rows
     wt = randn(rng, (5, 3), np.float32)
@@ -76,7 +112,7 @@ def test_linear_backward_float32_paths(simd_mode, lead, K, N, rng, monkeypatch):
     real = _proj.linear
 
     def spy(*a, **k):
-        taken.append(k.get("w_transposed", False))
+        taken.append((k.get("w_transposed", False), k.get("runs", 0)))
         return real(*a, **k)
 
     monkeypatch.setattr(_proj, "linear", spy)
@@ -85,10 +121,8 @@ def test_linear_backward_float32_paths(simd_mode, lead, K, N, rng, monkeypatch):
     res = [linear_backward(g, x, w, b, n_threads=n) for n in (1, 2, 3)]
     rows = int(np.prod(lead))
     want = sum((_proj.packs_transposed(rows, K, N), _proj.packs_transposed(N, K, rows)))
-    # one call a run of PACKED_KC reduction terms, for each product that packs
-    runs = ((-(-N // _linear.PACKED_KC)) if _proj.packs_transposed(rows, K, N) else 0) + \
-        ((-(-rows // _linear.PACKED_KC)) if _proj.packs_transposed(N, K, rows) else 0)
-    assert taken == [True] * runs * 3
+    # one call for each product that packs, its reduction in runs of PACKED_KC terms
+    assert taken == [(True, _linear.PACKED_KC)] * want * 3
     if simd_mode == "simd":
         assert want == (2 if N >= 64 else 1 if rows >= 64 else 0)
     g64, x64 = g.reshape(rows, N).astype(np.float64), x.reshape(rows, K).astype(np.float64)
