@@ -8,6 +8,7 @@
  * bound by memory and the conversions, not by arithmetic.
  */
 #include <math.h>
+#include <string.h>
 
 #include "fa_rowwise.h"
 
@@ -128,14 +129,91 @@ static inline uint64_t splitmix64(uint64_t z)
     return z ^ (z >> 31);
 }
 
-static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, uint8_t *keep)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FA_RW_AVX2 1
+/* The same stream, four pairs (eight elements) a step: splitmix64 in 64-bit
+ * lanes, its multiplications by constants from 32 x 32 -> 64-bit products
+ * (AVX2 has no 64-bit multiply), the low and high halves compared with the
+ * threshold and the eight bytes stored in element order.  Bit for bit the
+ * scalar loop's bytes. */
+static __attribute__((target("avx2"))) inline __m256i mul64c(__m256i a, uint64_t c)
+{
+    const __m256i cl = _mm256_set1_epi64x((int64_t)(c & 0xFFFFFFFFULL));
+    const __m256i ch = _mm256_set1_epi64x((int64_t)(c >> 32));
+    const __m256i lo = _mm256_mul_epu32(a, cl);
+    const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), cl),
+                                           _mm256_mul_epu32(a, ch));
+    return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+static __attribute__((target("avx2"))) inline __m256i splitmix64x4(__m256i z)
+{
+    z = mul64c(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xBF58476D1CE4E5B9ULL);
+    z = mul64c(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94D049BB133111EBULL);
+    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+/* pairs [k0, k0 + 4 n) of the stream into keep[2 k0 ...]; threshold <= 2^32 */
+static __attribute__((target("avx2"))) void dropout_pairs_avx2(int64_t k0, int64_t n,
+                                                                 uint64_t seed,
+                                                                 uint64_t threshold,
+                                                                 uint8_t *keep)
+{
+    const __m256i thr = _mm256_set1_epi64x((int64_t)threshold);
+    const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFLL);
+    const __m256i step = _mm256_set1_epi64x((int64_t)(4 * FA_GOLDEN));
+    /* counters seed + (k + 1) G for pairs k0 .. k0 + 3 */
+    __m256i ctr = _mm256_setr_epi64x((int64_t)(seed + (uint64_t)(k0 + 1) * FA_GOLDEN),
+                                     (int64_t)(seed + (uint64_t)(k0 + 2) * FA_GOLDEN),
+                                     (int64_t)(seed + (uint64_t)(k0 + 3) * FA_GOLDEN),
+                                     (int64_t)(seed + (uint64_t)(k0 + 4) * FA_GOLDEN));
+    for (int64_t s = 0; s < n; s++) {
+        const __m256i z = splitmix64x4(ctr);
+        ctr = _mm256_add_epi64(ctr, step);
+        /* halves as non-negative 64-bit values: signed compares are exact */
+        const __m256i drop_lo = _mm256_cmpgt_epi64(thr, _mm256_and_si256(z, low));
+        const __m256i drop_hi = _mm256_cmpgt_epi64(thr, _mm256_srli_epi64(z, 32));
+        /* 32-bit lanes in element order: low half of pair k, then its high half */
+        const __m256i drop = _mm256_blend_epi32(drop_lo, drop_hi, 0xAA);
+        const unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(drop)) ^ 0xFFu;
+        uint64_t bytes = 0;
+        for (int e = 0; e < 8; e++)
+            bytes |= (uint64_t)((bits >> e) & 1u) << (8 * e);
+        memcpy(keep + 2 * (k0 + 4 * s), &bytes, 8);
+    }
+}
+
+static int rw_has_avx2(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") ? 1 : 0;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+#endif
+
+static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, uint8_t *keep,
+                         int simd)
 {
     int64_t i = i0;
+    (void)simd;
     if (i < i1 && (i & 1)) {  /* an odd start: the high half of its pair */
         uint64_t z = splitmix64(seed + (uint64_t)(i / 2 + 1) * FA_GOLDEN);
         keep[i] = (uint8_t)((z >> 32) >= threshold);
         i++;
     }
+#ifdef FA_RW_AVX2
+    if (simd && i1 - i >= 8 && rw_has_avx2()) {   /* i is even here: pair i / 2 */
+        const int64_t steps = (i1 - i) / 8;
+        dropout_pairs_avx2(i / 2, steps, seed, threshold, keep);
+        i += 8 * steps;
+    }
+#endif
     for (; i + 2 <= i1; i += 2) {
         uint64_t z = splitmix64(seed + (uint64_t)(i / 2 + 1) * FA_GOLDEN);
         keep[i] = (uint8_t)((z & 0xFFFFFFFFULL) >= threshold);
@@ -149,9 +227,9 @@ static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t thresho
 
 #define DROPOUT_DEFINE(SFX, T)                                                       \
 void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,     \
-                      const T *x, T *y, T scale, uint8_t *keep)                      \
+                      const T *x, T *y, T scale, uint8_t *keep, int simd)            \
 {                                                                                    \
-    dropout_mask(i0, i1, seed, threshold, keep);                                     \
+    dropout_mask(i0, i1, seed, threshold, keep, simd);                               \
     if (x && y)                                                                      \
         for (int64_t i = i0; i < i1; i++)                                            \
             y[i] = x[i] * (T)keep[i] * scale;  /* NaN * 0 stays NaN, as x * mask */ \
@@ -161,6 +239,14 @@ void fa_mask_scale_##SFX(int64_t n, const T *g, const uint8_t *keep, T scale, T 
 {                                                                                    \
     for (int64_t i = 0; i < n; i++)                                                  \
         out[i] = g[i] * (T)keep[i] * scale;                                          \
+}                                                                                    \
+                                                                                     \
+void fa_relu_##SFX(int64_t n, const T *x, T *out)                                   \
+{                                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                                \
+        T xi = x[i];                                                                 \
+        out[i] = (xi > 0 || xi != xi) ? xi : (T)0;  /* np.maximum(x, 0): NaN kept, -0 -> +0 */ \
+    }                                                                                \
 }                                                                                    \
                                                                                      \
 void fa_relu_bwd_##SFX(int64_t n, const T *g, const T *x, T *out)                    \

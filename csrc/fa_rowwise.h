@@ -45,15 +45,20 @@ void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const 
  * i), so P(keep) = 1 - threshold / 2^32 and the mask depends only on the seed
  * and the index.  With x and y, also y[i] = x[i] keep[i] scale (so a NaN
  * stays NaN where it is dropped, as x * mask does).
- * keep, x and y are the whole arrays (indexed from 0). */
+ * keep, x and y are the whole arrays (indexed from 0).  simd != 0 lets an
+ * AVX2 CPU draw four pairs at a time (the same bytes). */
 void fa_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, const float *x,
-                    float *y, float scale, uint8_t *keep);
+                    float *y, float scale, uint8_t *keep, int simd);
 void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, const double *x,
-                    double *y, double scale, uint8_t *keep);
+                    double *y, double scale, uint8_t *keep, int simd);
 
 /* out[i] = g[i] keep[i] scale, i < n (dropout's backward). */
 void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out);
 void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale, double *out);
+
+/* out[i] = max(x[i], 0), i < n, as np.maximum (a NaN stays, -0 becomes +0). */
+void fa_relu_f32(int64_t n, const float *x, float *out);
+void fa_relu_f64(int64_t n, const double *x, double *out);
 
 /* out[i] = x[i] <= 0 ? 0 : g[i], i < n (relu's backward; a NaN x passes g,
  * as torch's threshold_backward). */

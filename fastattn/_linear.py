@@ -306,7 +306,7 @@ def _column_sums(a, n_threads):
     if not rows or not n or a.dtype not in (np.float32, np.float64) or not a.flags.aligned or \
             (n > 1 and a.strides[1] != a.itemsize) or (rows > 1 and a.strides[0] < n * a.itemsize):
         return np.add.reduce(a, axis=0, dtype=np.float64)
-    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
+    _threads.install_runtime_once(_rowwise.set_runtime)
     parts = np.zeros((_rowwise.n_chunks(rows, n), n))
     _rowwise.colsum(a, parts, n_threads)
     return np.add.reduce(parts, axis=0)

@@ -45,7 +45,7 @@ __all__ = ["layer_norm", "layer_norm_backward", "gelu", "gelu_backward", "relu",
 
 def _kernel_threads(n_threads):
     """The thread count for fastattn._rowwise, its pool installed once."""
-    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
+    _threads.install_runtime_once(_rowwise.set_runtime)
     return _threads.resolve(n_threads)
 
 
@@ -192,11 +192,15 @@ def gelu_backward(grad_out, x, approximate="none"):
         return np.asarray((g * d).astype(_grad_dtype(x)))
 
 
-def relu(x):
+def relu(x, *, n_threads=None):
     """``max(x, 0)``, NaN propagating (torch's)."""
     x = _float_array(x, "x")
     if x.dtype.kind != "f":
         x = x.astype(np.float64)
+    if x.dtype.itemsize >= 4 and x.size:
+        out = np.empty(x.shape, x.dtype)
+        _rowwise.relu(_flat(x), out.reshape(-1), _kernel_threads(n_threads))
+        return out
     # NaN propagates through np.maximum; out=: a 0-d array for 0-d x, not a scalar
     return np.maximum(x, x.dtype.type(0), out=np.empty(x.shape, x.dtype))
 

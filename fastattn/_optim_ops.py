@@ -14,7 +14,7 @@ __all__ = ["adam_update", "sum_squares"]
 
 def _kernel_threads(n_threads):
     """The thread count for fastattn._rowwise, its pool installed once."""
-    _threads.install_runtime_once(_rowwise.set_runtime, simd=False)
+    _threads.install_runtime_once(_rowwise.set_runtime)
     return _threads.resolve(n_threads)
 
 

@@ -19,7 +19,7 @@ the caller adds up in chunk order.  Small arrays run on the calling thread.
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 
-from fastattn._runtime cimport runtime, runtime_run, runtime_set, task_fn
+from fastattn._runtime cimport runtime, runtime_run, runtime_set, runtime_simd, task_fn
 
 cnp.import_array()
 
@@ -35,12 +35,14 @@ cdef extern from "fa_rowwise.h" nogil:
                        int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
                        double *dw_acc, double *db_acc)
     void fa_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
-                        const float *x, float *y, float scale, uint8_t *keep)
+                        const float *x, float *y, float scale, uint8_t *keep, int simd)
     void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
-                        const double *x, double *y, double scale, uint8_t *keep)
+                        const double *x, double *y, double scale, uint8_t *keep, int simd)
     void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out)
     void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
                            double *out)
+    void fa_relu_f32(int64_t n, const float *x, float *out)
+    void fa_relu_f64(int64_t n, const double *x, double *out)
     void fa_relu_bwd_f32(int64_t n, const float *g, const float *x, float *out)
     void fa_relu_bwd_f64(int64_t n, const double *g, const double *x, double *out)
     void fa_colsum_f32(int64_t rows, int64_t n, const float *x, int64_t ldx, double *acc)
@@ -191,7 +193,7 @@ def layer_norm_backward(cnp.ndarray g, cnp.ndarray x, object w, double eps, cnp.
 
 
 ctypedef struct ew_ctx:
-    int op          # 0 dropout (mask only when x is NULL), 1 mask_scale, 2 relu_bwd
+    int op          # 0 dropout (mask only when x is NULL), 1 mask_scale, 2 relu_bwd, 3 relu
     int f64
     int64_t n, chunk
     char *a
@@ -200,6 +202,7 @@ ctypedef struct ew_ctx:
     uint8_t *keep
     uint64_t seed, threshold
     double scale
+    int simd        # dropout: fastattn's SIMD switch is on (the same bytes either way)
 
 
 cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -211,21 +214,26 @@ cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
     if c.op == 0:
         if c.f64:
             fa_dropout_f64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out,
-                           c.scale, c.keep)
+                           c.scale, c.keep, c.simd)
         else:
             fa_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
-                           <float>c.scale, c.keep)
+                           <float>c.scale, c.keep, c.simd)
     elif c.op == 1:
         if c.f64:
             fa_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale, <double *>c.out + i0)
         else:
             fa_mask_scale_f32(n, <float *>c.a + i0, c.keep + i0, <float>c.scale,
                               <float *>c.out + i0)
-    else:
+    elif c.op == 2:
         if c.f64:
             fa_relu_bwd_f64(n, <double *>c.a + i0, <double *>c.b + i0, <double *>c.out + i0)
         else:
             fa_relu_bwd_f32(n, <float *>c.a + i0, <float *>c.b + i0, <float *>c.out + i0)
+    else:
+        if c.f64:
+            fa_relu_f64(n, <double *>c.a + i0, <double *>c.out + i0)
+        else:
+            fa_relu_f32(n, <float *>c.a + i0, <float *>c.out + i0)
 
 
 cdef void _ew_run(ew_ctx *c, int n_threads) noexcept nogil:
@@ -250,6 +258,7 @@ def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t thresh
     c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
     c.keep = <uint8_t *>_ptr(keep)
     c.seed, c.threshold, c.scale = seed, threshold, scale
+    c.simd = runtime_simd(&g_rt)
     with nogil:
         _ew_run(&c, n_threads)
 
@@ -263,6 +272,18 @@ def mask_scale(cnp.ndarray g, cnp.ndarray keep, double scale, cnp.ndarray out, i
     c.a, c.b, c.out = _ptr(g), NULL, _ptr(out)
     c.keep = <uint8_t *>_ptr(keep)
     c.scale = scale
+    with nogil:
+        _ew_run(&c, n_threads)
+
+
+def relu(cnp.ndarray x, cnp.ndarray out, int n_threads):
+    """out = max(x, 0) as np.maximum (NaN kept, -0 -> +0), both (n,)."""
+    cdef ew_ctx c
+    c.op = 3
+    c.n = cnp.PyArray_DIMS(x)[0]
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(x), NULL, _ptr(out)
+    c.keep = NULL
     with nogil:
         _ew_run(&c, n_threads)
 

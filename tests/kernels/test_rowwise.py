@@ -152,10 +152,56 @@ def test_dropout_stream_seeded_and_thread_independent(rng):
         assert abs(r) < 0.01, (lag, r)
 
 
+def _splitmix64(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1 - 2.0 ** -33])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 1000, 70001])
+def test_dropout_stream_is_the_documented_splitmix(simd_mode, p, n):
+    """keep[i] = u(seed, i) >= round(p 2^32): SplitMix64 of seed + (i // 2 + 1)
+    golden (uint64, wrapping), its low half for even i and high half for odd i
+    -- a NumPy model of csrc/fa_rowwise.h's stream, for the scalar loop and
+    the AVX2 one (simd_mode), any size and thread count."""
+    gen = np.random.default_rng(11)
+    seed = np.uint64(np.random.default_rng(11).integers(0, 2**64, dtype=np.uint64))
+    x = np.ones((n,), np.float32)
+    i = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _splitmix64(seed + (i // np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+    u = np.where(i % np.uint64(2) == 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
+    want = u >= np.uint64(min(round(p * 2.0 ** 32), 2 ** 32))
+    for nt in (1, 2, 3):
+        _, keep = F.dropout(x, p, rng=np.random.default_rng(11), n_threads=nt)
+        np.testing.assert_array_equal(keep, want)
+    _, keep = F.dropout(x, p, rng=gen)
+    np.testing.assert_array_equal(keep, want)
+
+
 def test_dropout_keeps_nan_where_dropped_as_x_times_mask():
     x = np.full((4, 100), np.nan, np.float32)
     out, keep = F.dropout(x, 0.5, rng=np.random.default_rng(0))
     assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("shape", [(), (5,), (33, 1001), (3, 200001)])
+def test_relu_kernel_is_np_maximum(dtype, shape, rng):
+    """max(x, 0) bit for bit as np.maximum (NaN kept, -0 -> +0), any thread
+    count, input unchanged, a 0-d input gives a 0-d array."""
+    x = randn(rng, shape).astype(dtype)
+    if x.size >= 3:
+        x.reshape(-1)[:3] = [-0.0, np.nan, -np.inf]
+    x0 = x.copy()
+    want = np.maximum(x, dtype(0))
+    for nt in (1, 2, 3):
+        got = F.relu(x, n_threads=nt)
+        assert type(got) is np.ndarray and got.shape == x.shape and got.dtype == dtype
+        bits = np.dtype(f"u{x.itemsize}")
+        np.testing.assert_array_equal(got.view(bits), want.view(bits))
+    np.testing.assert_array_equal(x, x0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
