@@ -180,13 +180,21 @@ class FeedForward(Layer):
         h, b1 = self.linear1.forward_backward(x)
         a = self._act(h)
         d, bd = self.dropout.forward_backward(a)
+        del a
         out, b2 = self.linear2.forward_backward(d)
         relu = self._config["activation"] == "relu"
+        # relu's backward reads the dropout's output d, which linear2 keeps
+        # anyway (> 0 exactly where h > 0 and the element is kept; dropped
+        # elements' gradients are zero already): h is not kept
+        act_in = d if relu else h
+        del h
 
         def backprop(grad_out):
             (gd,) = b2(grad_out)
             (ga,) = bd(gd)
-            gh = F.relu_backward(ga, h) if relu else F.gelu_backward(ga, h)
+            del gd
+            gh = F.relu_backward(ga, act_in) if relu else F.gelu_backward(ga, act_in)
+            del ga
             return b1(gh)
         return out, backprop
 

@@ -120,6 +120,11 @@ class TransformerEncoderLayer(Layer):
         if _infer:
             return out, None
         relu = self._config["activation"] == "relu"
+        # relu's backward reads the dropout's output, which linear2 keeps
+        # anyway (> 0 exactly where u > 0 and the element is kept; dropped
+        # elements' gradients are zero already): u (B, L, FF) is not kept
+        act_in = a if relu else u
+        del u
 
         def backprop(grad_out):
             g = np.asarray(grad_out)
@@ -128,9 +133,12 @@ class TransformerEncoderLayer(Layer):
             # out = h + f
             (gf,) = b_d2(g)
             (ga,) = b_l2(gf)
+            del gf
             (ga,) = b_d(ga)
-            gu = F.relu_backward(ga, u) if relu else F.gelu_backward(ga, u)
+            gu = F.relu_backward(ga, act_in) if relu else F.gelu_backward(ga, act_in)
+            del ga   # (B, L, FF) gradients: at most two alive at a time
             (gh,) = b_l1(gu)
+            del gu
             if pre:
                 (gh,) = b_n2(gh)
             gh = gh + g
