@@ -82,6 +82,15 @@ typedef struct {
     /* sum_j a[j] * b[j], the products and the sum in double */
     double (*dot64_f32)(const float *a, const float *b, int64_t n);
     double (*dot64_f64)(const double *a, const double *b, int64_t n);
+    /* acc (M x N doubles, row stride ldacc) += alpha * A^T B, A (K x M, lda)
+     * and B (K x N, ldb) row-major, each output one chain of K products from
+     * zero, alpha times it rounded to the type, then added in double (the
+     * backward's dV and dK chunks); NULL: the caller uses BLAS */
+    void (*gemm_tn_acc_f32)(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                            int64_t lda, const float *B, int64_t ldb, double *acc, int64_t ldacc);
+    void (*gemm_tn_acc_f64)(int64_t M, int64_t N, int64_t K, double alpha, const double *A,
+                            int64_t lda, const double *B, int64_t ldb, double *acc,
+                            int64_t ldacc);
 } fa_rowops;
 
 /* Rows per block of gemm_pb (the lim granularity). */

@@ -105,6 +105,10 @@ static inline void ops_mask_bool_f64(const fa_rowops *o, double *x, const unsign
 #define ops_scale_f64(o, ...) (o)->scale_f64(__VA_ARGS__)
 #define ops_dot64_f32(o, ...) (o)->dot64_f32(__VA_ARGS__)
 #define ops_dot64_f64(o, ...) (o)->dot64_f64(__VA_ARGS__)
+#define ops_gemm_tn_acc_f32(o, ...) (o)->gemm_tn_acc_f32(__VA_ARGS__)
+#define ops_gemm_tn_acc_f64(o, ...) (o)->gemm_tn_acc_f64(__VA_ARGS__)
+#define ops_has_tn_f32(o) ((o)->gemm_tn_acc_f32 != NULL)
+#define ops_has_tn_f64(o) ((o)->gemm_tn_acc_f64 != NULL)
 
 static inline float expo_f32(float x) { return expf(x); }
 static inline double expo_f64(double x) { return exp(x); }

@@ -57,6 +57,10 @@ static void FN(bwd_gemm_acc)(const fa_rowops *ops, int transA, int64_t M, int64_
         if (me == 0)
             continue;
         const REAL *Ac = transA ? A + k0 * lda : A + k0;
+        if (transA && FN(ops_has_tn)(ops)) {   /* straight into acc, no BLAS call */
+            FN(ops_gemm_tn_acc)(ops, me, N, kc, alpha, Ac, lda, B + k0 * ldb, ldb, acc, N);
+            continue;
+        }
         FN(rm_gemm)(transA ? 'T' : 'N', 'N', me, N, kc, alpha, Ac, lda, B + k0 * ldb, ldb,
                     (REAL)0, T, N);
         FN(ops_bwd_acc)(ops, acc, T, me * N);

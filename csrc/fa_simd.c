@@ -199,6 +199,7 @@ static const fa_rowops scalar_ops = {
     bwd_store_f32_scalar, bwd_store_f64_scalar,
     scale_f32_scalar, scale_f64_scalar,
     dot64_f32_scalar, dot64_f64_scalar,
+    NULL, NULL,   /* gemm_tn_acc: BLAS */
 };
 
 /* ------------------------------------------------------------------- AVX2 */
@@ -842,6 +843,149 @@ AVX2 static double dot64_f64_avx2(const double *a, const double *b, int64_t n)
     return s;
 }
 
+/* The backward's transposed products (fa_rowops.h, gemm_tn_acc): acc (M x N
+ * doubles, row stride ldacc) += alpha * A^T B, A (K x M, lda) and B (K x N,
+ * ldb) row-major -- dV_j += P^T dO_i and dK_j += scale dS^T Q_i read straight
+ * from the tiles, no transposed copy, no BLAS call per 64-row chunk.  Blocks
+ * of 6 rows of C x 16 float (8 double) columns: per term two loads of B's row,
+ * six broadcasts from A's row (contiguous: the block's 6 columns of A), 12
+ * FMA chains summed from zero over the K terms; then alpha times the sum
+ * (rounded to REAL, as a gemm's alpha) is added to acc in double. */
+#define TN_BLOCK(R)                                                                        \
+    do {                                                                                   \
+        __m256 c[R][2];                                                                    \
+        _Pragma("GCC unroll 6")                                                            \
+        for (int r = 0; r < (R); r++)                                                      \
+            c[r][0] = c[r][1] = _mm256_setzero_ps();                                       \
+        for (int64_t p = 0; p < K; p++) {                                                  \
+            const float *bp = B + p * ldb + j;                                             \
+            const __m256 b0 = full ? _mm256_loadu_ps(bp) : _mm256_maskload_ps(bp, m0);     \
+            const __m256 b1 = full ? _mm256_loadu_ps(bp + 8) : _mm256_maskload_ps(bp + 8, m1); \
+            const float *ap = A + p * lda + i;                                             \
+            _Pragma("GCC unroll 6")                                                        \
+            for (int r = 0; r < (R); r++) {                                                \
+                const __m256 av = _mm256_broadcast_ss(ap + r);                             \
+                c[r][0] = _mm256_fmadd_ps(av, b0, c[r][0]);                                \
+                c[r][1] = _mm256_fmadd_ps(av, b1, c[r][1]);                                \
+            }                                                                              \
+        }                                                                                  \
+        _Pragma("GCC unroll 6")                                                            \
+        for (int r = 0; r < (R); r++)                                                      \
+            tn_add_f32(acc + (i + r) * ldacc + j, _mm256_mul_ps(va, c[r][0]),              \
+                       _mm256_mul_ps(va, c[r][1]), full, rem);                             \
+    } while (0)
+
+/* acc[0..rem) += (double) the 16 floats of s0, s1 */
+AVX2 static inline void tn_add_f32(double *ar, __m256 s0, __m256 s1, int full, int rem)
+{
+    if (full) {
+        _mm256_storeu_pd(ar, _mm256_add_pd(_mm256_loadu_pd(ar),
+                                           _mm256_cvtps_pd(_mm256_castps256_ps128(s0))));
+        _mm256_storeu_pd(ar + 4, _mm256_add_pd(_mm256_loadu_pd(ar + 4),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(s0, 1))));
+        _mm256_storeu_pd(ar + 8, _mm256_add_pd(_mm256_loadu_pd(ar + 8),
+                                               _mm256_cvtps_pd(_mm256_castps256_ps128(s1))));
+        _mm256_storeu_pd(ar + 12, _mm256_add_pd(_mm256_loadu_pd(ar + 12),
+                                                _mm256_cvtps_pd(_mm256_extractf128_ps(s1, 1))));
+    } else {
+        float t[16];
+        _mm256_storeu_ps(t, s0);
+        _mm256_storeu_ps(t + 8, s1);
+        for (int e = 0; e < rem; e++)
+            ar[e] += (double)t[e];
+    }
+}
+
+AVX2 static void gemm_tn_acc_f32_avx2(int64_t M, int64_t N, int64_t K, float alpha,
+                                      const float *A, int64_t lda, const float *B, int64_t ldb,
+                                      double *acc, int64_t ldacc)
+{
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 va = _mm256_set1_ps(alpha);
+    /* rows of C outermost: a block's 6 columns of A stay in L1 across B's
+     * panels (B, a tile's chunk of dO or Q rows, stays there too) */
+    for (int64_t i = 0; i < M; i += 6) {
+        const int R = M - i < 6 ? (int)(M - i) : 6;
+        for (int64_t j = 0; j < N; j += 16) {
+            const int rem = N - j < 16 ? (int)(N - j) : 16;
+            const int full = rem == 16;
+            const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes);
+            const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem - 8), lanes);
+            switch (R) {
+            case 6: TN_BLOCK(6); break;
+            case 5: TN_BLOCK(5); break;
+            case 4: TN_BLOCK(4); break;
+            case 3: TN_BLOCK(3); break;
+            case 2: TN_BLOCK(2); break;
+            default: TN_BLOCK(1); break;
+            }
+        }
+    }
+}
+#undef TN_BLOCK
+
+/* The same for doubles: 6 rows x 8 columns, the sums in double. */
+#define TN_BLOCK_D(R)                                                                      \
+    do {                                                                                   \
+        __m256d c[R][2];                                                                   \
+        _Pragma("GCC unroll 6")                                                            \
+        for (int r = 0; r < (R); r++)                                                      \
+            c[r][0] = c[r][1] = _mm256_setzero_pd();                                       \
+        for (int64_t p = 0; p < K; p++) {                                                  \
+            const double *bp = B + p * ldb + j;                                            \
+            const __m256d b0 = full ? _mm256_loadu_pd(bp) : _mm256_maskload_pd(bp, m0);    \
+            const __m256d b1 = full ? _mm256_loadu_pd(bp + 4) : _mm256_maskload_pd(bp + 4, m1); \
+            const double *ap = A + p * lda + i;                                            \
+            _Pragma("GCC unroll 6")                                                        \
+            for (int r = 0; r < (R); r++) {                                                \
+                const __m256d av = _mm256_broadcast_sd(ap + r);                            \
+                c[r][0] = _mm256_fmadd_pd(av, b0, c[r][0]);                                \
+                c[r][1] = _mm256_fmadd_pd(av, b1, c[r][1]);                                \
+            }                                                                              \
+        }                                                                                  \
+        _Pragma("GCC unroll 6")                                                            \
+        for (int r = 0; r < (R); r++) {                                                    \
+            double *ar = acc + (i + r) * ldacc + j;                                        \
+            const __m256d s0 = _mm256_mul_pd(va, c[r][0]), s1 = _mm256_mul_pd(va, c[r][1]); \
+            if (full) {                                                                    \
+                _mm256_storeu_pd(ar, _mm256_add_pd(_mm256_loadu_pd(ar), s0));              \
+                _mm256_storeu_pd(ar + 4, _mm256_add_pd(_mm256_loadu_pd(ar + 4), s1));      \
+            } else {                                                                       \
+                double t[8];                                                               \
+                _mm256_storeu_pd(t, s0);                                                   \
+                _mm256_storeu_pd(t + 4, s1);                                               \
+                for (int e = 0; e < rem; e++)                                              \
+                    ar[e] += t[e];                                                         \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+AVX2 static void gemm_tn_acc_f64_avx2(int64_t M, int64_t N, int64_t K, double alpha,
+                                      const double *A, int64_t lda, const double *B, int64_t ldb,
+                                      double *acc, int64_t ldacc)
+{
+    const __m256i lanes = _mm256_setr_epi64x(0, 1, 2, 3);
+    const __m256d va = _mm256_set1_pd(alpha);
+    for (int64_t i = 0; i < M; i += 6) {   /* as the float version */
+        const int R = M - i < 6 ? (int)(M - i) : 6;
+        for (int64_t j = 0; j < N; j += 8) {
+            const int rem = N - j < 8 ? (int)(N - j) : 8;
+            const int full = rem == 8;
+            const __m256i m0 = _mm256_cmpgt_epi64(_mm256_set1_epi64x(rem), lanes);
+            const __m256i m1 = _mm256_cmpgt_epi64(_mm256_set1_epi64x(rem - 4), lanes);
+            switch (R) {
+            case 6: TN_BLOCK_D(6); break;
+            case 5: TN_BLOCK_D(5); break;
+            case 4: TN_BLOCK_D(4); break;
+            case 3: TN_BLOCK_D(3); break;
+            case 2: TN_BLOCK_D(2); break;
+            default: TN_BLOCK_D(1); break;
+            }
+        }
+    }
+}
+#undef TN_BLOCK_D
+
 static const fa_rowops avx2_ops = {
     rowmax_f32_avx2, rowmax_f64_avx2,
     expsub_sum_f32_avx2, expsub_sum_f64_avx2,
@@ -858,6 +1002,7 @@ static const fa_rowops avx2_ops = {
     bwd_store_f32_avx2, bwd_store_f64_avx2,
     scale_f32_avx2, scale_f64_avx2,
     dot64_f32_avx2, dot64_f64_avx2,
+    gemm_tn_acc_f32_avx2, gemm_tn_acc_f64_avx2,
 };
 
 #include "fa_avx512_math.h"
@@ -984,6 +1129,7 @@ static const fa_rowops avx512_ops = {
     bwd_store_f32_avx512, bwd_store_f64_avx2,
     scale_f32_avx512, scale_f64_avx512,
     dot64_f32_avx2, dot64_f64_avx2,
+    gemm_tn_acc_f32_avx2, gemm_tn_acc_f64_avx2,
 };
 
 /* The FMA throughput probe (fa_fma_probe): 12 independent chains, enough to
