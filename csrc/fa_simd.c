@@ -851,7 +851,7 @@ AVX2 static double dot64_f64_avx2(const double *a, const double *b, int64_t n)
  * six broadcasts from A's row (contiguous: the block's 6 columns of A), 12
  * FMA chains summed from zero over the K terms; then alpha times the sum
  * (rounded to REAL, as a gemm's alpha) is added to acc in double. */
-#define TN_BLOCK(R)                                                                        \
+#define TN_BLOCK(R, FULL)                                                                  \
     do {                                                                                   \
         __m256 c[R][2];                                                                    \
         _Pragma("GCC unroll 6")                                                            \
@@ -859,8 +859,8 @@ AVX2 static double dot64_f64_avx2(const double *a, const double *b, int64_t n)
             c[r][0] = c[r][1] = _mm256_setzero_ps();                                       \
         for (int64_t p = 0; p < K; p++) {                                                  \
             const float *bp = B + p * ldb + j;                                             \
-            const __m256 b0 = full ? _mm256_loadu_ps(bp) : _mm256_maskload_ps(bp, m0);     \
-            const __m256 b1 = full ? _mm256_loadu_ps(bp + 8) : _mm256_maskload_ps(bp + 8, m1); \
+            const __m256 b0 = (FULL) ? _mm256_loadu_ps(bp) : _mm256_maskload_ps(bp, m0);   \
+            const __m256 b1 = (FULL) ? _mm256_loadu_ps(bp + 8) : _mm256_maskload_ps(bp + 8, m1); \
             const float *ap = A + p * lda + i;                                             \
             _Pragma("GCC unroll 6")                                                        \
             for (int r = 0; r < (R); r++) {                                                \
@@ -911,21 +911,24 @@ AVX2 static void gemm_tn_acc_f32_avx2(int64_t M, int64_t N, int64_t K, float alp
             const int full = rem == 16;
             const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes);
             const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem - 8), lanes);
-            switch (R) {
-            case 6: TN_BLOCK(6); break;
-            case 5: TN_BLOCK(5); break;
-            case 4: TN_BLOCK(4); break;
-            case 3: TN_BLOCK(3); break;
-            case 2: TN_BLOCK(2); break;
-            default: TN_BLOCK(1); break;
-            }
+            if (full && R == 6)   /* the common block: no masks, no switch */
+                TN_BLOCK(6, 1);
+            else
+                switch (R) {
+                case 6: TN_BLOCK(6, 0); break;
+                case 5: TN_BLOCK(5, 0); break;
+                case 4: TN_BLOCK(4, 0); break;
+                case 3: TN_BLOCK(3, 0); break;
+                case 2: TN_BLOCK(2, 0); break;
+                default: TN_BLOCK(1, 0); break;
+                }
         }
     }
 }
 #undef TN_BLOCK
 
 /* The same for doubles: 6 rows x 8 columns, the sums in double. */
-#define TN_BLOCK_D(R)                                                                      \
+#define TN_BLOCK_D(R, FULL)                                                                \
     do {                                                                                   \
         __m256d c[R][2];                                                                   \
         _Pragma("GCC unroll 6")                                                            \
@@ -933,8 +936,8 @@ AVX2 static void gemm_tn_acc_f32_avx2(int64_t M, int64_t N, int64_t K, float alp
             c[r][0] = c[r][1] = _mm256_setzero_pd();                                       \
         for (int64_t p = 0; p < K; p++) {                                                  \
             const double *bp = B + p * ldb + j;                                            \
-            const __m256d b0 = full ? _mm256_loadu_pd(bp) : _mm256_maskload_pd(bp, m0);    \
-            const __m256d b1 = full ? _mm256_loadu_pd(bp + 4) : _mm256_maskload_pd(bp + 4, m1); \
+            const __m256d b0 = (FULL) ? _mm256_loadu_pd(bp) : _mm256_maskload_pd(bp, m0);  \
+            const __m256d b1 = (FULL) ? _mm256_loadu_pd(bp + 4) : _mm256_maskload_pd(bp + 4, m1); \
             const double *ap = A + p * lda + i;                                            \
             _Pragma("GCC unroll 6")                                                        \
             for (int r = 0; r < (R); r++) {                                                \
@@ -973,14 +976,17 @@ AVX2 static void gemm_tn_acc_f64_avx2(int64_t M, int64_t N, int64_t K, double al
             const int full = rem == 8;
             const __m256i m0 = _mm256_cmpgt_epi64(_mm256_set1_epi64x(rem), lanes);
             const __m256i m1 = _mm256_cmpgt_epi64(_mm256_set1_epi64x(rem - 4), lanes);
-            switch (R) {
-            case 6: TN_BLOCK_D(6); break;
-            case 5: TN_BLOCK_D(5); break;
-            case 4: TN_BLOCK_D(4); break;
-            case 3: TN_BLOCK_D(3); break;
-            case 2: TN_BLOCK_D(2); break;
-            default: TN_BLOCK_D(1); break;
-            }
+            if (full && R == 6)
+                TN_BLOCK_D(6, 1);
+            else
+                switch (R) {
+                case 6: TN_BLOCK_D(6, 0); break;
+                case 5: TN_BLOCK_D(5, 0); break;
+                case 4: TN_BLOCK_D(4, 0); break;
+                case 3: TN_BLOCK_D(3, 0); break;
+                case 2: TN_BLOCK_D(2, 0); break;
+                default: TN_BLOCK_D(1, 0); break;
+                }
         }
     }
 }
