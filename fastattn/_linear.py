@@ -222,11 +222,12 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     float32 products of at least 64 result rows (AVX2 on, operands that fit
     the packing scratch) run on the packed projection kernel of
     :func:`linear` (the other operand packed by copies; for dweight, grad_out
-    transposed once), the reduction in runs of :data:`PACKED_KC` terms
-    added in order (as accurate as torch's MKL: see there): about 1.5x
-    OpenBLAS's speed on an AVX-512 machine, at the cost of one transposed
-    copy of grad_out, one result-sized partial and the packed operand
-    (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
+    transposed once), one call whose reduction runs in runs of
+    :data:`PACKED_KC` terms, each summed from zero and added in order (as
+    accurate as torch's MKL: see there): about 1.5x OpenBLAS's speed on an
+    AVX-512 machine, 0.9-1.05x on an AVX2 one (Zen 3, 4096-row products of
+    a transformer step), at the cost of one transposed copy of grad_out and
+    the packed operand (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
     (fastattn's worker pool, BLAS held at one thread, tiles fixed by the
     shapes).  Either way every element is summed in an order fixed by the
     shapes: the same bits for any ``n_threads`` (default
@@ -280,7 +281,8 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
 
 
 #: linear_backward's packed products sum their reduction in runs of this many
-#: terms (each run from zero, then the runs added in order).  The packed
+#: terms (each run from zero, then the runs added in order: _proj.linear's
+#: ``runs``, inside one call).  The packed
 #: kernel's one float32 accumulator per output over the whole reduction gave
 #: 2.3-4.4x torch's rms error at 4096 rows; runs of 256 1.1-1.4x, runs of 128
 #: 0.85-1.0x (max error 0.68-1.0x), about 1.5x OpenBLAS's speed (measured,
