@@ -225,7 +225,7 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     transposed once), one call whose reduction runs in runs of
     :data:`PACKED_KC` terms, each summed from zero and added in order (as
     accurate as torch's MKL: see there): about 1.5x OpenBLAS's speed on an
-    AVX-512 machine, 0.9-1.05x on an AVX2 one (Zen 3, 4096-row products of
+    AVX-512 machine, 0.8-1.1x on an AVX2 one (Zen 3, 4096-row products of
     a transformer step), at the cost of one transposed copy of grad_out and
     the packed operand (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
     (fastattn's worker pool, BLAS held at one thread, tiles fixed by the
