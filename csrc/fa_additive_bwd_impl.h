@@ -179,14 +179,21 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
         const int64_t n = f->Lk - j0 < bk ? f->Lk - j0 : bk;
         const REAL *Kj = K + j0 * f->ldk;
         const REAL *Vj = V + j0 * f->ldv;
-        memset(accK, 0, (size_t)(n * d) * sizeof(double));
-        memset(accV, 0, (size_t)(n * dv) * sizeof(double));
         /* the first query row that may see key j0: i + offset >= j0 */
         int64_t ifirst = 0;
         if (f->causal) {
             ifirst = j0 - f->causal_offset;
             ifirst = ifirst < 0 ? 0 : ifirst > f->Lq ? f->Lq : ifirst;
             ifirst = ifirst / bq * bq;
+        }
+        /* one query block sees these keys (a decoder step's few queries): its
+         * tile is written straight out -- the double sums of one tile would be
+         * (double)dKt and (double)Tmp exactly, so the same floats */
+        const int single = f->Lq - ifirst <= bq;
+        int written = 0;
+        if (!single) {
+            memset(accK, 0, (size_t)(n * d) * sizeof(double));
+            memset(accV, 0, (size_t)(n * dv) * sizeof(double));
         }
         for (int64_t i0 = ifirst; i0 < f->Lq; i0 += bq) {
             if (fa_stop_poll_check(&j->poll, slot))
@@ -250,12 +257,33 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
             }
             if (!any)
                 continue;
-            for (int64_t x = 0; x < n * d; x++)
-                accK[x] += (double)dKt[x];
             /* dV_j += P^T dO_i (one product of at most bq terms, into double) */
             FN(ab_gemm)('T', 'N', n, dv, m, (REAL)1, P, n, Gi, a->ldg, (REAL)0, Tmp, dv);
+            if (single) {
+                for (int64_t r = 0; r < n; r++) {
+                    REAL *dk = dKo + (j0 + r) * a->lddk;
+                    const REAL *tk = dKt + r * d;
+                    for (int64_t c = 0; c < d; c++)
+                        dk[c] = (REAL)((double)vv[c] * (double)tk[c]);
+                    memcpy(dVo + (j0 + r) * a->lddv, Tmp + r * dv, (size_t)dv * sizeof(REAL));
+                }
+                written = 1;
+                continue;
+            }
+            for (int64_t x = 0; x < n * d; x++)
+                accK[x] += (double)dKt[x];
             for (int64_t x = 0; x < n * dv; x++)
                 accV[x] += (double)Tmp[x];
+        }
+        if (single) {
+            if (!written)   /* no query sees these keys: v times zero sums, zero dV */
+                for (int64_t r = 0; r < n; r++) {
+                    REAL *dk = dKo + (j0 + r) * a->lddk;
+                    for (int64_t c = 0; c < d; c++)
+                        dk[c] = (REAL)((double)vv[c] * 0.0);
+                    memset(dVo + (j0 + r) * a->lddv, 0, (size_t)dv * sizeof(REAL));
+                }
+            continue;
         }
         for (int64_t r = 0; r < n; r++) {
             REAL *dk = dKo + (j0 + r) * a->lddk;
