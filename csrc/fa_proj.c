@@ -21,6 +21,7 @@
  * (28-34); peak is ~102.
  */
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include "fa_proj.h"
@@ -29,6 +30,7 @@
 #include <immintrin.h>
 #define FA_PROJ_AVX2 1
 #define AVX2 __attribute__((target("avx2,fma")))
+#include "fa_transpose_avx2.h"
 
 static AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
 {
@@ -483,9 +485,31 @@ static int cpu_has_avx512f(void)
 static int64_t g_pk_kc = FA_PROJ_PACKED_KC;
 static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 
+/* abuf (x given transposed, see fa_proj_packed_xt_runs_f32): MC x KC floats of
+ * scratch; block (i0, k0) of x, read from the transposed array xt (row stride
+ * ldx), is copied into it by 8 x 8 transposes before the kernels read it
+ * (rows of kc), once for all the column panels -- the floats a transposed copy
+ * of the whole x would hold, without writing and rereading one. */
+static AVX2 void pack_a_t(const float *xt, int64_t ldt, int64_t mi, int64_t kc, float *dst)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
+    int64_t r = 0;
+    for (; r + 8 <= mi; r += 8) {
+        int64_t p = 0;
+        for (; p + 8 <= kc; p += 8)
+            transpose_block_f32(xt + p * ldt + r, ldt, dst + r * kc + p, kc, one);
+        for (; p < kc; p++)
+            for (int i = 0; i < 8; i++)
+                dst[(r + i) * kc + p] = xt[p * ldt + r + i];
+    }
+    for (; r < mi; r++)
+        for (int64_t p = 0; p < kc; p++)
+            dst[r * kc + p] = xt[p * ldt + r];
+}
+
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                             const float *wp, const float *b, float *y, int64_t ldy, int wide,
-                            int64_t runs)
+                            int64_t runs, float *abuf)
 {
     const int64_t KC = runs > 0 ? runs : g_pk_kc > 0 ? g_pk_kc : k;
     const int64_t MC = g_pk_mc > 0 ? g_pk_mc : m;
@@ -494,6 +518,14 @@ static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int
         const int64_t i1 = i0 + MC < m ? i0 + MC : m;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            /* row i of this block at xb + (i - i0) * ldb */
+            const float *xb = x + i0 * ldx + k0;
+            int64_t ldb = ldx;
+            if (abuf) {
+                pack_a_t(x + k0 * ldx + i0, ldx, i1 - i0, kc, abuf);
+                xb = abuf;
+                ldb = kc;
+            }
             for (int64_t j = 0; j < n;) {
                 const float *bp = wp + j * k + k0 * 16;
                 /* two panels at once with AVX-512 while two are left */
@@ -507,10 +539,10 @@ static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int
                     const int r = two ? pkz_row_block(left, i1 - i0)
                                       : left >= 9 || left == 6 ? 6 : left > 6 ? 4 : (int)left;
                     if (two)
-                        pkz_rows[r](kc, x + i * ldx + k0, ldx, bp, 16 * k, y + i * ldy + j, ldy,
+                        pkz_rows[r](kc, xb + (i - i0) * ldb, ldb, bp, 16 * k, y + i * ldy + j, ldy,
                                     b ? b + j : NULL, k0 == 0, rem);
                     else
-                        pk_rows[r](kc, x + i * ldx + k0, ldx, bp, y + i * ldy + j, ldy,
+                        pk_rows[r](kc, xb + (i - i0) * ldb, ldb, bp, y + i * ldy + j, ldy,
                                    b ? b + j : NULL, k0 == 0, rem);
                     i += r;
                 }
@@ -567,7 +599,6 @@ static void pack_panel(int64_t p0, int64_t n, int64_t k, const float *w, int64_t
 }
 
 #ifdef FA_PROJ_AVX2
-#include "fa_transpose_avx2.h"
 
 /* A full panel by 8 x 8 register transposes: 8 rows x 8 features loaded,
  * stored as 8 features x 8 rows (half a panel row each); the k % 8 last
@@ -687,11 +718,34 @@ int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int
     if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || runs < 0
         || !fa_proj_packed_available())
         return FA_PROJ_EINVAL;
-    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide, runs);
+    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide, runs, NULL);
     return 0;
 #else
     (void)m; (void)n; (void)k; (void)x; (void)ldx; (void)wp; (void)c0; (void)b; (void)y; (void)ldy;
     (void)wide; (void)runs;
+    return FA_PROJ_EINVAL;
+#endif
+}
+
+int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt, int64_t ldt,
+                               const float *wp, int64_t c0, const float *b, float *y,
+                               int64_t ldy, int wide, int64_t runs)
+{
+#ifdef FA_PROJ_AVX2
+    if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || runs < 1
+        || runs > FA_PROJ_XT_MAX_RUNS || ldt < m || !fa_proj_packed_available())
+        return FA_PROJ_EINVAL;
+    const int64_t MC = g_pk_mc > 0 && g_pk_mc < m ? g_pk_mc : m;
+    const int64_t KC = runs < k ? runs : k;
+    float *abuf = (float *)malloc((size_t)(MC * KC) * sizeof(float));
+    if (!abuf)
+        return FA_PROJ_ENOMEM;
+    packed_f32(m, n, k, xt, ldt, wp + c0 * k, b, y, ldy, wide, runs, abuf);
+    free(abuf);
+    return 0;
+#else
+    (void)m; (void)n; (void)k; (void)xt; (void)ldt; (void)wp; (void)c0; (void)b; (void)y;
+    (void)ldy; (void)wide; (void)runs;
     return FA_PROJ_EINVAL;
 #endif
 }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #define FA_PROJ_EINVAL 2
+#define FA_PROJ_ENOMEM 3
 
 /* 1 when this build and CPU can run fa_proj_small_f32 (AVX2 + FMA). */
 int fa_proj_small_available(void);
@@ -75,6 +76,19 @@ int fa_proj_packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t 
 int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                             const float *wp, int64_t c0, const float *b, float *y, int64_t ldy,
                             int wide, int64_t runs);
+
+/* fa_proj_packed_runs_f32 on x given as its transpose: xt (k x m, row stride
+ * ldt >= m) holds x[i, p] at xt[p * ldt + i] (pointing at the block's first
+ * column).  Each (rows, k-run) block of x is transposed into scratch (8 x 8
+ * register transposes; MC x runs floats, malloc'ed per call) once for all the
+ * column panels, then read as fa_proj_packed_runs_f32 reads x: the same
+ * floats as that function on a transposed copy of x.  For linear_backward's
+ * dW = g^T x without a transposed copy of g.  runs in 1..FA_PROJ_XT_MAX_RUNS.
+ * Returns 0, FA_PROJ_EINVAL or FA_PROJ_ENOMEM. */
+#define FA_PROJ_XT_MAX_RUNS 1024
+int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt, int64_t ldt,
+                               const float *wp, int64_t c0, const float *b, float *y,
+                               int64_t ldy, int wide, int64_t runs);
 
 /* Cache blocking of fa_proj_packed_f32: k in runs of kc (as above), rows in chunks of
  * mc (0: no split); fa_proj_packed_tune changes them (tuning sweeps).  Measured

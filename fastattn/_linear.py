@@ -222,12 +222,13 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     float32 products of at least 64 result rows (AVX2 on, operands that fit
     the packing scratch) run on the packed projection kernel of
     :func:`linear` (the other operand packed by copies; for dweight, grad_out
-    transposed once), one call whose reduction runs in runs of
+    read as its transpose, block by block into per-call scratch, never a
+    transposed copy of it), one call whose reduction runs in runs of
     :data:`PACKED_KC` terms, each summed from zero and added in order (as
     accurate as torch's MKL: see there): about 1.5x OpenBLAS's speed on an
     AVX-512 machine, 0.8-1.1x on an AVX2 one (Zen 3, 4096-row products of
-    a transformer step), at the cost of one transposed copy of grad_out and
-    the packed operand (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
+    a transformer step), at the cost of the packed operand (scratch kept per
+    thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
     (fastattn's worker pool, BLAS held at one thread, tiles fixed by the
     shapes).  Either way every element is summed in an order fixed by the
     shapes: the same bits for any ``n_threads`` (default
@@ -263,9 +264,8 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
         else:
             wa, wt = _operand(w, cdt)
             _proj.matmul(ga, gt, wa, wt, dx, nt)        # (rows, N) @ (N, K)
-        if packed_dw:   # dw = g^T x: g transposed once (AVX2 8 x 8 blocks), x read as w^T
-            gT = _proj.transpose_f32(g32, np.empty((N, rows), cdt), nt)
-            _packed_product(gT, np.ascontiguousarray(x2, dtype=cdt), dw, nt)
+        if packed_dw:   # dw = g^T x: g read transposed (8 x 8 blocks into scratch), x as w^T
+            _packed_product(g32, np.ascontiguousarray(x2, dtype=cdt), dw, nt, a_transposed=True)
         else:
             xa, xt = _operand(x2, cdt)
             _proj.matmul(ga, not gt, xa, xt, dw, nt)    # (N, rows) @ (rows, K)
@@ -291,11 +291,14 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
 PACKED_KC = 128
 
 
-def _packed_product(a, bt, out, n_threads):
+def _packed_product(a, bt, out, n_threads, a_transposed=False):
     """``out (M, N) = a (M, R) @ bt (R, N)`` in float32 on the packed kernel
     (:func:`fastattn._proj.linear` with ``w_transposed``), the reduction in
-    runs of :data:`PACKED_KC` (the same bits for any ``n_threads``)."""
-    _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=PACKED_KC)
+    runs of :data:`PACKED_KC` (the same bits for any ``n_threads``).
+    ``a_transposed``: ``a`` is given as ``(R, M)``, ``out = a.T @ bt``, each
+    block transposed inside the kernel (the floats of a transposed copy)."""
+    _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=PACKED_KC,
+                 x_transposed=a_transposed)
     return out
 
 

@@ -84,6 +84,11 @@ cdef extern from "fa_proj.h" nogil:
     int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                                 const float *wp, int64_t c0, const float *b, float *y,
                                 int64_t ldy, int wide, int64_t runs)
+    int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt,
+                                   int64_t ldt, const float *wp, int64_t c0, const float *b,
+                                   float *y, int64_t ldy, int wide, int64_t runs)
+    int FA_PROJ_XT_MAX_RUNS
+    int FA_PROJ_ENOMEM
     int FA_PROJ_PANEL
     int FA_PROJ_PACKED_KC
     int FA_PROJ_PACKED_MC
@@ -201,6 +206,7 @@ ctypedef struct lin_ctx:
     char *y
     int64_t xbs, ybs          # batch strides (elements)
     int ldx, ldw, ldy
+    int xt                    # x given as its transpose (K x M, row stride ldx)
     int M, N, K
     int mb, nbm               # row block size, row blocks per batch item
     int cb, nbc               # column block size, column blocks
@@ -297,10 +303,17 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     if m <= 0 or n <= 0:
         return
     cdef int64_t it = c.item
-    cdef char *x = c.x + (i * c.xbs + <int64_t>r0 * c.ldx) * it
+    cdef char *x = c.x + (i * c.xbs + (<int64_t>r0 if c.xt else <int64_t>r0 * c.ldx)) * it
     cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
     cdef int rc
+    if c.packed and c.xt:
+        rc = fa_proj_packed_xt_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
+                                        <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
+                                        <float *>y, c.ldy, c.wide, c.runs)
+        if rc != 0:
+            fa_store_status(&c.status, rc)
+        return
     if c.packed:
         rc = fa_proj_packed_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
                                      <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
@@ -428,7 +441,7 @@ def transpose_f32(cnp.ndarray a, cnp.ndarray out, int n_threads):
 
 
 def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
-           object wp=None, bint w_transposed=False, int64_t runs=0):
+           object wp=None, bint w_transposed=False, int64_t runs=0, bint x_transposed=False):
     """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
 
     ``wp`` (float32 only): ``w``'s packed form (:func:`pack_f32`, or a slice of
@@ -443,7 +456,12 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     otherwise).  ``runs`` > 0 (with ``w_transposed`` only): the reduction in
     runs of that many terms, each summed from zero and added to ``y`` in
     order (csrc/fa_proj.h's fa_proj_packed_runs_f32: the bits of one call a
-    run, the results added in run order).  Without ``wp``, a
+    run, the results added in run order).  ``x_transposed`` (with
+    ``w_transposed`` and ``runs`` in 1..1024, one batch item): ``x`` is given
+    as its transpose ``(1, K, M)`` -- ``y = x[0].T @ w`` -- its last axis
+    contiguous; each block of rows and run is transposed into scratch inside
+    the call (fa_proj_packed_xt_runs_f32: the floats of the same call on a
+    transposed copy).  Without ``wp``, a
     float32 product of at least ``pack_min_rows`` rows (all batch items) whose
     packed ``w`` fits ``pack_max_elems`` packs ``w`` itself first (on the same
     threads, into this thread's scratch, :func:`release_pack_buffer`) and
@@ -466,16 +484,21 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     """
     cdef lin_ctx c
     cdef int wn = 1 if w_transposed else 0   # the axis of w that is N
-    if cnp.PyArray_DIMS(x)[0] == 0 or cnp.PyArray_DIMS(x)[1] == 0 or cnp.PyArray_DIMS(w)[wn] == 0:
+    cdef int xm = 2 if x_transposed else 1   # the axis of x that is M (the other is K)
+    if x_transposed and (not w_transposed or cnp.PyArray_DIMS(x)[0] != 1 or runs < 1
+                         or runs > FA_PROJ_XT_MAX_RUNS):
+        raise ValueError("fastattn._proj.linear: x_transposed needs w_transposed, one batch "
+                         f"item and runs in 1..{FA_PROJ_XT_MAX_RUNS}")
+    if cnp.PyArray_DIMS(x)[0] == 0 or cnp.PyArray_DIMS(x)[xm] == 0 or cnp.PyArray_DIMS(w)[wn] == 0:
         return 0
-    if cnp.PyArray_DIMS(x)[2] == 0:
+    if cnp.PyArray_DIMS(x)[3 - xm] == 0:
         if b is None:
             y[...] = 0
         else:
             y[...] = b
         return 0
     cdef int nb = <int>cnp.PyArray_DIMS(x)[0]
-    cdef int M = <int>cnp.PyArray_DIMS(x)[1]
+    cdef int M = <int>cnp.PyArray_DIMS(x)[xm]
     cdef int64_t item = cnp.PyArray_ITEMSIZE(x)
     cdef int64_t xbs = cnp.PyArray_STRIDES(x)[0] // item
     cdef int64_t ybs = cnp.PyArray_STRIDES(y)[0] // item
@@ -484,9 +507,10 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     cdef void *hook = NULL
     c.f32 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
     c.item = item
-    c.K = <int>cnp.PyArray_DIMS(x)[2]
+    c.K = <int>cnp.PyArray_DIMS(x)[3 - xm]
     c.N = <int>cnp.PyArray_DIMS(w)[wn]
-    c.ldx = <int>_rows_ld(x, c.K)
+    c.xt = x_transposed
+    c.ldx = <int>_rows_ld(x, M if x_transposed else c.K)   # xt: the (K, M) array's row stride
     c.ldw = <int>_rows_ld(w, c.N if w_transposed else c.K)
     c.ldy = <int>_rows_ld(y, c.N)
     c.x = <char *>cnp.PyArray_DATA(x)
@@ -608,6 +632,8 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
                 _task(&c, t, 0)
         runtime_release(&g_rt, hook)
     interrupt_raise(&intr)
+    if c.status == FA_PROJ_ENOMEM:
+        raise MemoryError("fastattn._proj: could not allocate the packed kernel's scratch")
     if c.status != 0:
         raise RuntimeError(f"fastattn._proj: the {'packed' if c.packed else 'few-row'} kernel "
                            f"rejected its arguments "

@@ -81,6 +81,41 @@ def test_runs_equal_one_call_a_run_added_in_order(M, K, N, runs, with_bias, rng)
         np.testing.assert_array_equal(y, want)
 
 
+@needs_packed
+@pytest.mark.parametrize("M, K, N, runs", [(64, 300, 40, 128), (97, 129, 33, 128),
+                                          (256, 1000, 256, 128), (203, 77, 17, 8),
+                                          (70, 5, 100, 3)])
+@pytest.mark.parametrize("row_pad", [0, 24])
+def test_x_transposed_equals_a_transposed_copy(M, K, N, runs, row_pad, rng):
+    """x given as its transpose (K, M), read in place (blocks transposed into
+    scratch in the kernel): bit for bit the call on a transposed copy, any
+    thread count, a row stride beyond M too."""
+    assert _proj.packs_transposed(M, N, K)
+    xt = randn(rng, (K, M + row_pad), np.float32)[:, :M]
+    wt = randn(rng, (K, N), np.float32)
+    b = randn(rng, (N,), np.float32)
+    want = np.empty((1, M, N), np.float32)
+    _proj.linear(np.ascontiguousarray(xt.T)[None], wt, b, want, 1, w_transposed=True, runs=runs)
+    ref = xt.T.astype(np.float64) @ wt + b
+    np.testing.assert_allclose(want[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    for nt in (1, 2, 3):
+        y = np.full((1, M, N), np.nan, np.float32)
+        _proj.linear(xt[None], wt, b, y, nt, w_transposed=True, runs=runs, x_transposed=True)
+        np.testing.assert_array_equal(y, want)
+
+
+def test_x_transposed_needs_w_transposed_runs_and_one_item(rng):
+    xt = randn(rng, (1, 5, 80), np.float32)
+    wt = randn(rng, (5, 3), np.float32)
+    y = np.empty((1, 80, 3), np.float32)
+    for kw in (dict(), dict(w_transposed=True), dict(w_transposed=True, runs=2000)):
+        with pytest.raises(ValueError, match="x_transposed"):
+            _proj.linear(xt, wt if kw else wt.T.copy(), None, y, 2, x_transposed=True, **kw)
+    with pytest.raises(ValueError, match="x_transposed"):
+        _proj.linear(np.concatenate([xt, xt]), wt, None, np.empty((2, 80, 3), np.float32), 2,
+                     w_transposed=True, runs=4, x_transposed=True)
+
+
 def test_runs_need_w_transposed(rng):
     x = randn(rng, (1, 80, 5), np.float32)
     w = randn(rng, (3, 5), np.float32)
