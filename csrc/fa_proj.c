@@ -649,6 +649,15 @@ void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_
         const int64_t p0 = p * FA_PROJ_PANEL;
         const int64_t w = n - p0 < FA_PROJ_PANEL ? n - p0 : FA_PROJ_PANEL;
         float *panel = wp + p0 * k;
+        if (w == FA_PROJ_PANEL) {   /* a whole panel: fixed-size row copies, no memcpy calls */
+            for (int64_t c = 0; c < k; c++) {
+                const float *src = bt + c * ldb + p0;
+                float *dst = panel + c * FA_PROJ_PANEL;
+                for (int jj = 0; jj < FA_PROJ_PANEL; jj++)
+                    dst[jj] = src[jj];
+            }
+            continue;
+        }
         for (int64_t c = 0; c < k; c++) {
             memcpy(panel + c * FA_PROJ_PANEL, bt + c * ldb + p0, (size_t)w * sizeof(float));
             for (int64_t jj = w; jj < FA_PROJ_PANEL; jj++)
