@@ -48,8 +48,8 @@ static void ln_stats_##SFX(int64_t E, const T *x, double eps, double *mean, doub
     *rstd = 1.0 / sqrt(var + eps);                                                   \
 }                                                                                    \
                                                                                      \
-void fa_ln_fwd_##SFX(int64_t rows, int64_t E, const T *x, int64_t ldx, const T *w,   \
-                     const T *b, double eps, T *y, int64_t ldy)                      \
+static void ln_fwd_scalar_##SFX(int64_t rows, int64_t E, const T *x, int64_t ldx,   \
+                     const T *w, const T *b, double eps, T *y, int64_t ldy)         \
 {                                                                                    \
     for (int64_t r = 0; r < rows; r++) {                                             \
         const T *xr = x + r * ldx;                                                   \
@@ -72,37 +72,35 @@ void fa_ln_fwd_##SFX(int64_t rows, int64_t E, const T *x, int64_t ldx, const T *
     }                                                                                \
 }                                                                                    \
                                                                                      \
-void fa_ln_bwd_##SFX(int64_t rows, int64_t E, const T *g, int64_t ldg, const T *x,   \
-                     int64_t ldx, const T *w, double eps, T *dx, int64_t lddx,       \
-                     double *dw_acc, double *db_acc)                                 \
+static void ln_bwd_scalar_##SFX(int64_t rows, int64_t E, const T *g, int64_t ldg,   \
+                     const T *x, int64_t ldx, const T *w, double eps, T *dx,         \
+                     int64_t lddx, double *dw_acc, double *db_acc)                   \
 {                                                                                    \
     for (int64_t r = 0; r < rows; r++) {                                             \
         const T *xr = x + r * ldx, *gr = g + r * ldg;                                \
         T *dr = dx + r * lddx;                                                       \
         double m, rs;                                                                \
         ln_stats_##SFX(E, xr, eps, &m, &rs);                                         \
-        double a0 = 0, a1 = 0, c0 = 0, c1 = 0;                                       \
+        /* four sums each, element j into sum j % 4 (the AVX2 lanes' order) */     \
+        double a[4] = {0, 0, 0, 0}, cs[4] = {0, 0, 0, 0};                            \
         int64_t j = 0;                                                               \
-        for (; j + 2 <= E; j += 2) {                                                 \
-            double xh0 = ((double)xr[j] - m) * rs, xh1 = ((double)xr[j + 1] - m) * rs; \
-            double g0 = (double)gr[j], g1 = (double)gr[j + 1];                       \
-            if (w) {                                                                 \
-                g0 *= (double)w[j];                                                  \
-                g1 *= (double)w[j + 1];                                              \
+        for (; j + 4 <= E; j += 4)                                                   \
+            for (int q = 0; q < 4; q++) {                                            \
+                double xh = ((double)xr[j + q] - m) * rs, g0 = (double)gr[j + q];    \
+                if (w)                                                               \
+                    g0 *= (double)w[j + q];                                          \
+                a[q] += g0;                                                          \
+                cs[q] += g0 * xh;                                                    \
             }                                                                        \
-            a0 += g0;                                                                \
-            a1 += g1;                                                                \
-            c0 += g0 * xh0;                                                          \
-            c1 += g1 * xh1;                                                          \
-        }                                                                            \
         for (; j < E; j++) {                                                         \
             double xh = ((double)xr[j] - m) * rs, g0 = (double)gr[j];                \
             if (w)                                                                   \
                 g0 *= (double)w[j];                                                  \
-            a0 += g0;                                                                \
-            c0 += g0 * xh;                                                           \
+            a[0] += g0;                                                              \
+            cs[0] += g0 * xh;                                                        \
         }                                                                            \
-        double mg = (a0 + a1) / (double)E, mgx = (c0 + c1) / (double)E;              \
+        double mg = ((a[0] + a[1]) + (a[2] + a[3])) / (double)E;                     \
+        double mgx = ((cs[0] + cs[1]) + (cs[2] + cs[3])) / (double)E;                \
         for (j = 0; j < E; j++) {                                                    \
             double xh = ((double)xr[j] - m) * rs;                                    \
             double gh = w ? (double)gr[j] * (double)w[j] : (double)gr[j];            \
@@ -195,7 +193,179 @@ static int rw_has_avx2(void)
     }
     return v;
 }
+
+/* Layer norm, float32, in double lanes of four: the scalar loops' operations
+ * (element j in sum j % 4, no fused multiply-adds: target avx2 without fma)
+ * in the same order, so the same bits as ln_*_scalar_f32. */
+#define RW_AVX2 __attribute__((target("avx2")))
+static RW_AVX2 inline __m256d ld4(const float *p)
+{
+    return _mm256_cvtps_pd(_mm_loadu_ps(p));
+}
+
+static RW_AVX2 inline double hsum4(__m256d v)   /* (v0 + v1) + (v2 + v3) */
+{
+    double t[4];
+    _mm256_storeu_pd(t, v);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+static RW_AVX2 void ln_stats_avx2(int64_t E, const float *x, double eps, double *mean,
+                                  double *rstd)
+{
+    __m256d s = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 4 <= E; j += 4)
+        s = _mm256_add_pd(s, ld4(x + j));
+    double t[4];
+    _mm256_storeu_pd(t, s);
+    for (; j < E; j++)
+        t[0] += (double)x[j];
+    const double m = ((t[0] + t[1]) + (t[2] + t[3])) / (double)E;
+    const __m256d vm = _mm256_set1_pd(m);
+    __m256d v = _mm256_setzero_pd();
+    for (j = 0; j + 4 <= E; j += 4) {
+        const __m256d a = _mm256_sub_pd(ld4(x + j), vm);
+        v = _mm256_add_pd(v, _mm256_mul_pd(a, a));
+    }
+    _mm256_storeu_pd(t, v);
+    for (; j < E; j++) {
+        double a = (double)x[j] - m;
+        t[0] += a * a;
+    }
+    const double var = ((t[0] + t[1]) + (t[2] + t[3])) / (double)E;
+    *mean = m;
+    *rstd = 1.0 / sqrt(var + eps);
+}
+
+static RW_AVX2 void ln_fwd_avx2_f32(int64_t rows, int64_t E, const float *x, int64_t ldx,
+                                    const float *w, const float *b, double eps, float *y,
+                                    int64_t ldy)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        double m, rs;
+        ln_stats_avx2(E, xr, eps, &m, &rs);
+        const __m256d vm = _mm256_set1_pd(m), vr = _mm256_set1_pd(rs);
+        int64_t j = 0;
+        for (; j + 4 <= E; j += 4) {
+            __m256d t = _mm256_mul_pd(_mm256_sub_pd(ld4(xr + j), vm), vr);
+            if (w)
+                t = _mm256_mul_pd(t, ld4(w + j));
+            if (b)
+                t = _mm256_add_pd(t, ld4(b + j));
+            _mm_storeu_ps(yr + j, _mm256_cvtpd_ps(t));
+        }
+        for (; j < E; j++) {
+            double t = ((double)xr[j] - m) * rs;
+            if (w)
+                t = t * (double)w[j];
+            if (b)
+                t = t + (double)b[j];
+            yr[j] = (float)t;
+        }
+    }
+}
+
+static RW_AVX2 void ln_bwd_avx2_f32(int64_t rows, int64_t E, const float *g, int64_t ldg,
+                                    const float *x, int64_t ldx, const float *w, double eps,
+                                    float *dx, int64_t lddx, double *dw_acc, double *db_acc)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx, *gr = g + r * ldg;
+        float *dr = dx + r * lddx;
+        double m, rs;
+        ln_stats_avx2(E, xr, eps, &m, &rs);
+        const __m256d vm = _mm256_set1_pd(m), vr = _mm256_set1_pd(rs);
+        __m256d va = _mm256_setzero_pd(), vc = va;
+        int64_t j = 0;
+        for (; j + 4 <= E; j += 4) {
+            const __m256d xh = _mm256_mul_pd(_mm256_sub_pd(ld4(xr + j), vm), vr);
+            __m256d g0 = ld4(gr + j);
+            if (w)
+                g0 = _mm256_mul_pd(g0, ld4(w + j));
+            va = _mm256_add_pd(va, g0);
+            vc = _mm256_add_pd(vc, _mm256_mul_pd(g0, xh));
+        }
+        double a[4], cs[4];
+        _mm256_storeu_pd(a, va);
+        _mm256_storeu_pd(cs, vc);
+        for (; j < E; j++) {
+            double xh = ((double)xr[j] - m) * rs, g0 = (double)gr[j];
+            if (w)
+                g0 *= (double)w[j];
+            a[0] += g0;
+            cs[0] += g0 * xh;
+        }
+        const double mg = ((a[0] + a[1]) + (a[2] + a[3])) / (double)E;
+        const double mgx = ((cs[0] + cs[1]) + (cs[2] + cs[3])) / (double)E;
+        const __m256d vmg = _mm256_set1_pd(mg), vmgx = _mm256_set1_pd(mgx);
+        for (j = 0; j + 4 <= E; j += 4) {
+            const __m256d xv = ld4(xr + j), gv = ld4(gr + j);
+            const __m256d xh = _mm256_mul_pd(_mm256_sub_pd(xv, vm), vr);
+            const __m256d gh = w ? _mm256_mul_pd(gv, ld4(w + j)) : gv;
+            const __m256d d = _mm256_mul_pd(vr, _mm256_sub_pd(_mm256_sub_pd(gh, vmg),
+                                                              _mm256_mul_pd(xh, vmgx)));
+            _mm_storeu_ps(dr + j, _mm256_cvtpd_ps(d));
+            if (dw_acc)
+                _mm256_storeu_pd(dw_acc + j, _mm256_add_pd(_mm256_loadu_pd(dw_acc + j),
+                                                           _mm256_mul_pd(gv, xh)));
+            if (db_acc)
+                _mm256_storeu_pd(db_acc + j, _mm256_add_pd(_mm256_loadu_pd(db_acc + j), gv));
+        }
+        for (; j < E; j++) {
+            double xh = ((double)xr[j] - m) * rs;
+            double gh = w ? (double)gr[j] * (double)w[j] : (double)gr[j];
+            dr[j] = (float)(rs * (gh - mg - xh * mgx));
+            if (dw_acc)
+                dw_acc[j] += (double)gr[j] * (((double)xr[j] - m) * rs);
+            if (db_acc)
+                db_acc[j] += (double)gr[j];
+        }
+    }
+}
 #endif
+
+void fa_ln_fwd_f32(int64_t rows, int64_t E, const float *x, int64_t ldx, const float *w,
+                   const float *b, double eps, float *y, int64_t ldy, int simd)
+{
+#ifdef FA_RW_AVX2
+    if (simd && rw_has_avx2()) {
+        ln_fwd_avx2_f32(rows, E, x, ldx, w, b, eps, y, ldy);
+        return;
+    }
+#endif
+    (void)simd;
+    ln_fwd_scalar_f32(rows, E, x, ldx, w, b, eps, y, ldy);
+}
+
+void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const double *w,
+                   const double *b, double eps, double *y, int64_t ldy)
+{
+    ln_fwd_scalar_f64(rows, E, x, ldx, w, b, eps, y, ldy);
+}
+
+void fa_ln_bwd_f32(int64_t rows, int64_t E, const float *g, int64_t ldg, const float *x,
+                   int64_t ldx, const float *w, double eps, float *dx, int64_t lddx,
+                   double *dw_acc, double *db_acc, int simd)
+{
+#ifdef FA_RW_AVX2
+    if (simd && rw_has_avx2()) {
+        ln_bwd_avx2_f32(rows, E, g, ldg, x, ldx, w, eps, dx, lddx, dw_acc, db_acc);
+        return;
+    }
+#endif
+    (void)simd;
+    ln_bwd_scalar_f32(rows, E, g, ldg, x, ldx, w, eps, dx, lddx, dw_acc, db_acc);
+}
+
+void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const double *x,
+                   int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
+                   double *dw_acc, double *db_acc)
+{
+    ln_bwd_scalar_f64(rows, E, g, ldg, x, ldx, w, eps, dx, lddx, dw_acc, db_acc);
+}
 
 static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, uint8_t *keep,
                          int simd)

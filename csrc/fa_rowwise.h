@@ -20,9 +20,11 @@
 /* y = (x - mean) / sqrt(var + eps) * w + b over each of `rows` rows of E
  * elements (w, b: E elements each, or NULL for none); the mean and the
  * biased variance in double, every element computed in double and rounded
- * once.  Row r of x starts at x + r * ldx, of y at y + r * ldy. */
+ * once.  Row r of x starts at x + r * ldx, of y at y + r * ldy.  simd (float32):
+ * AVX2 double lanes where the CPU has them, the same bits (the same operations
+ * in the same order, no fused multiply-adds). */
 void fa_ln_fwd_f32(int64_t rows, int64_t E, const float *x, int64_t ldx, const float *w,
-                   const float *b, double eps, float *y, int64_t ldy);
+                   const float *b, double eps, float *y, int64_t ldy, int simd);
 void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const double *w,
                    const double *b, double eps, double *y, int64_t ldy);
 
@@ -31,10 +33,11 @@ void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const 
  *     dx = rstd (gh - mean(gh) - xh mean(gh xh))          (row means)
  * written to dx (row stride lddx), in double then rounded; and, when not
  * NULL, dw_acc[j] += sum over the rows of g xh, db_acc[j] += sum of g
- * (E doubles each, summed in row order). */
+ * (E doubles each, summed in row order).  The row means' sums: element j into
+ * sum j % 4, the four added as (s0 + s1) + (s2 + s3). */
 void fa_ln_bwd_f32(int64_t rows, int64_t E, const float *g, int64_t ldg, const float *x,
                    int64_t ldx, const float *w, double eps, float *dx, int64_t lddx,
-                   double *dw_acc, double *db_acc);
+                   double *dw_acc, double *db_acc, int simd);
 void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const double *x,
                    int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
                    double *dw_acc, double *db_acc);

@@ -25,12 +25,12 @@ cnp.import_array()
 
 cdef extern from "fa_rowwise.h" nogil:
     void fa_ln_fwd_f32(int64_t rows, int64_t E, const float *x, int64_t ldx, const float *w,
-                       const float *b, double eps, float *y, int64_t ldy)
+                       const float *b, double eps, float *y, int64_t ldy, int simd)
     void fa_ln_fwd_f64(int64_t rows, int64_t E, const double *x, int64_t ldx, const double *w,
                        const double *b, double eps, double *y, int64_t ldy)
     void fa_ln_bwd_f32(int64_t rows, int64_t E, const float *g, int64_t ldg, const float *x,
                        int64_t ldx, const float *w, double eps, float *dx, int64_t lddx,
-                       double *dw_acc, double *db_acc)
+                       double *dw_acc, double *db_acc, int simd)
     void fa_ln_bwd_f64(int64_t rows, int64_t E, const double *g, int64_t ldg, const double *x,
                        int64_t ldx, const double *w, double eps, double *dx, int64_t lddx,
                        double *dw_acc, double *db_acc)
@@ -104,6 +104,7 @@ ctypedef struct ln_ctx:
     int64_t ldx, ldg, ldy
     double eps
     double *parts   # (chunks, 2, E) or NULL
+    int simd        # float32: fastattn's SIMD switch is on (AVX2 lanes, the same bits)
 
 
 cdef void _ln_fwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -117,7 +118,7 @@ cdef void _ln_fwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
                       c.eps, <double *>c.y + r0 * c.ldy, c.ldy)
     else:
         fa_ln_fwd_f32(n, c.E, <float *>c.x + r0 * c.ldx, c.ldx, <float *>c.w, <float *>c.b,
-                      c.eps, <float *>c.y + r0 * c.ldy, c.ldy)
+                      c.eps, <float *>c.y + r0 * c.ldy, c.ldy, c.simd)
 
 
 cdef void _ln_bwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
@@ -136,7 +137,8 @@ cdef void _ln_bwd_task(void *vctx, int64_t t, int slot) noexcept nogil:
                       c.ldx, <double *>c.w, c.eps, <double *>c.y + r0 * c.ldy, c.ldy, dw, db)
     else:
         fa_ln_bwd_f32(n, c.E, <float *>c.g + r0 * c.ldg, c.ldg, <float *>c.x + r0 * c.ldx,
-                      c.ldx, <float *>c.w, c.eps, <float *>c.y + r0 * c.ldy, c.ldy, dw, db)
+                      c.ldx, <float *>c.w, c.eps, <float *>c.y + r0 * c.ldy, c.ldy, dw, db,
+                      c.simd)
 
 
 cdef int64_t _ld(cnp.ndarray a):
@@ -170,6 +172,7 @@ def layer_norm(cnp.ndarray x, object w, object b, double eps, cnp.ndarray y, int
     c.ldx, c.ldy = _ld(x), _ld(y)
     c.eps = eps
     c.parts = NULL
+    c.simd = runtime_simd(&g_rt)
     with nogil:
         _run(&c, _ln_fwd_task, n_threads)
 
@@ -188,6 +191,7 @@ def layer_norm_backward(cnp.ndarray g, cnp.ndarray x, object w, double eps, cnp.
     c.ldx, c.ldg, c.ldy = _ld(x), _ld(g), _ld(dx)
     c.eps = eps
     c.parts = <double *>_ptr(parts)
+    c.simd = runtime_simd(&g_rt)
     with nogil:
         _run(&c, _ln_bwd_task, n_threads)
 

@@ -94,6 +94,27 @@ def test_layer_norm_same_bits_for_any_thread_count(rng):
             np.testing.assert_array_equal(got, r)
 
 
+@pytest.mark.parametrize("E", [1, 3, 4, 7, 128, 259])
+def test_layer_norm_avx2_lanes_same_bits_as_scalar(E, rng):
+    """float32 layer norm on AVX2 double lanes (the same operations in the same
+    order as the portable loops, no fused multiply-adds): the same bits with
+    fastattn's SIMD switch on and off, forward and backward, affine or not."""
+    from fastattn import _kernels
+    x = (randn(rng, (37, E), np.float32) * 3 + 1).astype(np.float32)
+    g = randn(rng, (37, E), np.float32)
+    w, b = randn(rng, (E,), np.float32), randn(rng, (E,), np.float32)
+    runs = []
+    try:
+        for off in (False, True):
+            _kernels.set_simd_disabled(off)
+            runs.append([F.layer_norm(x, w, b), F.layer_norm(x), F.layer_norm(x, None, b),
+                         *F.layer_norm_backward(g, x, w, b), F.layer_norm_backward(g, x)[0]])
+    finally:
+        _kernels.set_simd_disabled(False)
+    for on, off in zip(*runs):
+        np.testing.assert_array_equal(on.view(np.uint8), off.view(np.uint8))
+
+
 def test_layer_norm_float16_and_integer_inputs(rng):
     x = randn(rng, (4, 8))
     w = randn(rng, (8,))
