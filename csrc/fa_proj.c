@@ -486,26 +486,13 @@ static int64_t g_pk_kc = FA_PROJ_PACKED_KC;
 static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 
 /* abuf (x given transposed, see fa_proj_packed_xt_runs_f32): MC x KC floats of
- * scratch; block (i0, k0) of x, read from the transposed array xt (row stride
- * ldx), is copied into it by 8 x 8 transposes before the kernels read it
- * (rows of kc), once for all the column panels -- the floats a transposed copy
- * of the whole x would hold, without writing and rereading one. */
-static AVX2 void pack_a_t(const float *xt, int64_t ldt, int64_t mi, int64_t kc, float *dst)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
-    int64_t r = 0;
-    for (; r + 8 <= mi; r += 8) {
-        int64_t p = 0;
-        for (; p + 8 <= kc; p += 8)
-            transpose_block_f32(xt + p * ldt + r, ldt, dst + r * kc + p, kc, one);
-        for (; p < kc; p++)
-            for (int i = 0; i < 8; i++)
-                dst[(r + i) * kc + p] = xt[p * ldt + r + i];
-    }
-    for (; r < mi; r++)
-        for (int64_t p = 0; p < kc; p++)
-            dst[r * kc + p] = xt[p * ldt + r];
-}
+ * scratch; block (i0, k0) of x, read from the transposed array (row stride
+ * ldx), is copied into it by transpose_avx2 (8 x 8 register transposes) before
+ * the kernels read it (rows of kc), once for all the column panels -- the
+ * floats a transposed copy of the whole x would hold, without writing and
+ * rereading one. */
+static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
+                                int64_t lds, float *dst, int64_t ldd);
 
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                             const float *wp, const float *b, float *y, int64_t ldy, int wide,
@@ -521,8 +508,8 @@ static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int
             /* row i of this block at xb + (i - i0) * ldb */
             const float *xb = x + i0 * ldx + k0;
             int64_t ldb = ldx;
-            if (abuf) {
-                pack_a_t(x + k0 * ldx + i0, ldx, i1 - i0, kc, abuf);
+            if (abuf) {   /* rows k0.. of the transposed x, columns i0..i1 */
+                transpose_avx2(0, kc, i1 - i0, x + k0 * ldx + i0, ldx, abuf, kc);
                 xb = abuf;
                 ldb = kc;
             }

@@ -307,17 +307,14 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef char *w = c.w + (<int64_t>c0 * c.ldw) * it
     cdef char *y = c.y + (i * c.ybs + <int64_t>r0 * c.ldy + c0) * it
     cdef int rc
-    if c.packed and c.xt:
-        rc = fa_proj_packed_xt_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
-                                        <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
-                                        <float *>y, c.ldy, c.wide, c.runs)
-        if rc != 0:
-            fa_store_status(&c.status, rc)
-        return
-    if c.packed:
-        rc = fa_proj_packed_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
-                                     <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL,
-                                     <float *>y, c.ldy, c.wide, c.runs)
+    cdef const float *bias = <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL
+    if c.packed:   # x read in place, or (xt) given as its transpose
+        if c.xt:
+            rc = fa_proj_packed_xt_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
+                                            bias, <float *>y, c.ldy, c.wide, c.runs)
+        else:
+            rc = fa_proj_packed_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
+                                         bias, <float *>y, c.ldy, c.wide, c.runs)
         if rc != 0:
             fa_store_status(&c.status, rc)
         return
