@@ -462,8 +462,11 @@ class AttentionDecoder(Layer):
                 dctx = F.linear(dXW[0][:, t], WT[0])
                 dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
                 dmem += dm
-                if dkp is not None:
-                    dkeys = dkp if dkeys is None else dkeys + dkp
+                if dkp is not None:   # summed in place (this call's fresh array first)
+                    if dkeys is None:
+                        dkeys = dkp
+                    else:
+                        dkeys += dkp
                 dh[-1] = dh[-1] + dq[:, 0]
             # the input projections of every step at once
             gr = rnn.grads
