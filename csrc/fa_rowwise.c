@@ -405,6 +405,26 @@ void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
             y[i] = x[i] * (T)keep[i] * scale;  /* NaN * 0 stays NaN, as x * mask */ \
 }                                                                                    \
                                                                                      \
+void fa_relu_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, \
+                           const T *x, T *y, T scale, uint8_t *keep, int simd)       \
+{                                                                                    \
+    dropout_mask(i0, i1, seed, threshold, keep, simd);                               \
+    for (int64_t i = i0; i < i1; i++) {                                              \
+        T xi = x[i];                                                                 \
+        T r = (xi > 0 || xi != xi) ? xi : (T)0;   /* fa_relu's value */              \
+        y[i] = r * (T)keep[i] * scale;            /* fa_dropout's product */         \
+    }                                                                                \
+}                                                                                    \
+                                                                                     \
+void fa_relu_mask_scale_##SFX(int64_t n, const T *g, const uint8_t *keep, T scale,  \
+                              const T *d, T *out)                                    \
+{                                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                                \
+        T gi = g[i] * (T)keep[i] * scale, di = d[i];  /* fa_mask_scale's value */    \
+        out[i] = di <= 0 ? (T)0 : gi;                 /* then fa_relu_bwd's */       \
+    }                                                                                \
+}                                                                                    \
+                                                                                     \
 void fa_mask_scale_##SFX(int64_t n, const T *g, const uint8_t *keep, T scale, T *out) \
 {                                                                                    \
     for (int64_t i = 0; i < n; i++)                                                  \

@@ -56,6 +56,18 @@ void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, c
                     double *y, double scale, uint8_t *keep, int simd);
 
 /* out[i] = g[i] keep[i] scale, i < n (dropout's backward). */
+/* fa_relu then fa_dropout in one pass: y = relu(x) keep scale, the mask as
+ * fa_dropout's (the same bytes and floats as the two calls). */
+void fa_relu_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                         const float *x, float *y, float scale, uint8_t *keep, int simd);
+void fa_relu_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                         const double *x, double *y, double scale, uint8_t *keep, int simd);
+/* fa_mask_scale then fa_relu_bwd against d (the forward's relu-dropout output)
+ * in one pass: out = d <= 0 ? 0 : g keep scale (the same floats as the two). */
+void fa_relu_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale,
+                            const float *d, float *out);
+void fa_relu_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
+                            const double *d, double *out);
 void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out);
 void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale, double *out);
 

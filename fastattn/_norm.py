@@ -228,17 +228,27 @@ def _check_p(p):
     return p
 
 
+def _dropout_args(p, rng):
+    """p checked (a probability) and rng (a Generator), in that order."""
+    p = _check_p(p)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator, got {describe(rng)}")
+    return p
+
+
+def _dropout_stream(p, rng):
+    """(seed, threshold) of a dropout call: the seed is one draw from rng."""
+    return int(rng.integers(0, 2**64, dtype=np.uint64)), min(round(p * 2.0**32), 2**32)
+
+
 def dropout(x, p, *, rng, n_threads=None):
     """``(out, keep)``: ``out = x keep / (1 - p)``, ``keep`` a boolean mask with
     ``P(keep) = 1 - p``, drawn from a counter-based stream seeded by one draw
     from ``rng`` (a ``numpy.random.Generator``)."""
-    p = _check_p(p)
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng: expected a numpy.random.Generator, got {describe(rng)}")
+    p = _dropout_args(p, rng)
     x = _float_array(x, "x")
     nt = _kernel_threads(n_threads)
-    seed = int(rng.integers(0, 2**64, dtype=np.uint64))
-    threshold = min(round(p * 2.0**32), 2**32)
+    seed, threshold = _dropout_stream(p, rng)
     dt = x.dtype if x.dtype.kind == "f" else np.dtype(np.float64)
     keep = np.empty(x.shape, np.bool_)
     scale = 1.0 / (1.0 - p)
@@ -252,6 +262,43 @@ def dropout(x, p, *, rng, n_threads=None):
     out = np.multiply(x, keep, dtype=dt, out=np.empty(x.shape, dt))   # out=: 0-d stays an array
     out *= dt.type(scale)
     return out, keep
+
+
+def relu_dropout(x, p, *, rng, n_threads=None):
+    """``dropout(relu(x), p, rng=rng)`` in one pass over float32 / float64 ``x``
+    (the same mask, floats and generator draw as the two calls; other dtypes
+    run the two): ``(out, keep)``.  For FeedForward's hidden layer."""
+    p = _dropout_args(p, rng)
+    x = _float_array(x, "x")
+    if x.dtype not in (np.float32, np.float64) or not x.size:
+        return dropout(relu(x, n_threads=n_threads), p, rng=rng, n_threads=n_threads)
+    nt = _kernel_threads(n_threads)
+    seed, threshold = _dropout_stream(p, rng)
+    keep = np.empty(x.shape, np.bool_)
+    out = np.empty(x.shape, x.dtype)
+    _rowwise.relu_dropout(_flat(x, x.dtype), out.reshape(-1), keep.reshape(-1), seed, threshold,
+                          1.0 / (1.0 - p), nt)
+    return out, keep
+
+
+def relu_dropout_backward(grad_out, keep, p, out, *, n_threads=None):
+    """dL/dx of :func:`relu_dropout` from its ``keep`` and ``out``:
+    ``relu_backward(dropout_backward(grad_out, keep, p), out)`` in one pass
+    (the same floats; ``out`` > 0 exactly where x > 0 and the element is kept,
+    a NaN x's NaN out passes the gradient as relu_backward does)."""
+    p = _check_p(p)
+    keep = np.asarray(keep)
+    out = np.asarray(out)
+    g = check_grad_array(grad_out, "grad_out", keep.shape)
+    if (keep.dtype != np.bool_ or g.dtype not in (np.float32, np.float64) or out.dtype != g.dtype
+            or out.shape != keep.shape or not g.size):
+        return relu_backward(dropout_backward(g, keep, p, n_threads=n_threads), out,
+                             n_threads=n_threads)
+    nt = _kernel_threads(n_threads)
+    res = np.empty(g.shape, g.dtype)
+    _rowwise.relu_mask_scale(_flat(g), _flat(keep), 1.0 / (1.0 - p), _flat(out),
+                             res.reshape(-1), nt)
+    return res
 
 
 def dropout_backward(grad_out, keep, p, *, n_threads=None):

@@ -38,6 +38,14 @@ cdef extern from "fa_rowwise.h" nogil:
                         const float *x, float *y, float scale, uint8_t *keep, int simd)
     void fa_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
                         const double *x, double *y, double scale, uint8_t *keep, int simd)
+    void fa_relu_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                             const float *x, float *y, float scale, uint8_t *keep, int simd)
+    void fa_relu_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                             const double *x, double *y, double scale, uint8_t *keep, int simd)
+    void fa_relu_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale,
+                                const float *d, float *out)
+    void fa_relu_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
+                                const double *d, double *out)
     void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out)
     void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
                            double *out)
@@ -197,7 +205,8 @@ def layer_norm_backward(cnp.ndarray g, cnp.ndarray x, object w, double eps, cnp.
 
 
 ctypedef struct ew_ctx:
-    int op          # 0 dropout (mask only when x is NULL), 1 mask_scale, 2 relu_bwd, 3 relu
+    int op          # 0 dropout (mask only when x is NULL), 1 mask_scale, 2 relu_bwd, 3 relu,
+                    # 4 relu then dropout, 5 mask_scale then relu_bwd against b
     int f64
     int64_t n, chunk
     char *a
@@ -222,6 +231,20 @@ cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
         else:
             fa_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
                            <float>c.scale, c.keep, c.simd)
+    elif c.op == 4:
+        if c.f64:
+            fa_relu_dropout_f64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out,
+                                c.scale, c.keep, c.simd)
+        else:
+            fa_relu_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
+                                <float>c.scale, c.keep, c.simd)
+    elif c.op == 5:
+        if c.f64:
+            fa_relu_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale,
+                                   <double *>c.b + i0, <double *>c.out + i0)
+        else:
+            fa_relu_mask_scale_f32(n, <float *>c.a + i0, c.keep + i0, <float>c.scale,
+                                   <float *>c.b + i0, <float *>c.out + i0)
     elif c.op == 1:
         if c.f64:
             fa_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale, <double *>c.out + i0)
@@ -263,6 +286,37 @@ def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t thresh
     c.keep = <uint8_t *>_ptr(keep)
     c.seed, c.threshold, c.scale = seed, threshold, scale
     c.simd = runtime_simd(&g_rt)
+    with nogil:
+        _ew_run(&c, n_threads)
+
+
+def relu_dropout(cnp.ndarray x, cnp.ndarray y, cnp.ndarray keep, uint64_t seed,
+                 uint64_t threshold, double scale, int n_threads):
+    """keep (n,) from the seeded stream and y = relu(x) keep scale, all (n,): the
+    bytes and floats of relu then dropout."""
+    cdef ew_ctx c
+    c.op = 4
+    c.n = cnp.PyArray_DIMS(keep)[0]
+    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
+    c.keep = <uint8_t *>_ptr(keep)
+    c.seed, c.threshold, c.scale = seed, threshold, scale
+    c.simd = runtime_simd(&g_rt)
+    with nogil:
+        _ew_run(&c, n_threads)
+
+
+def relu_mask_scale(cnp.ndarray g, cnp.ndarray keep, double scale, cnp.ndarray d,
+                    cnp.ndarray out, int n_threads):
+    """out = 0 where d <= 0, else g keep scale, all (n,): mask_scale then
+    relu_backward against d in one pass."""
+    cdef ew_ctx c
+    c.op = 5
+    c.n = cnp.PyArray_DIMS(g)[0]
+    c.f64 = cnp.PyArray_TYPE(g) == cnp.NPY_FLOAT64
+    c.a, c.b, c.out = _ptr(g), _ptr(d), _ptr(out)
+    c.keep = <uint8_t *>_ptr(keep)
+    c.scale = scale
     with nogil:
         _ew_run(&c, n_threads)
 

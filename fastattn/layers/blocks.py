@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import functional as F
+from .. import _norm, functional as F
 from .._validation import check_eps as _check_eps, check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
@@ -178,11 +178,24 @@ class FeedForward(Layer):
     def forward_backward(self, x):
         """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)``."""
         h, b1 = self.linear1.forward_backward(x)
+        relu = self._config["activation"] == "relu"
+        p = self.dropout._config["p"]
+        if relu and self.dropout.training and p > 0.0:
+            # relu and dropout in one pass each way (the same mask, floats and
+            # generator draw as the two layers); the backward reads d, which
+            # linear2 keeps anyway: h is not kept
+            d, keep = _norm.relu_dropout(h, p, rng=self.dropout._gen)
+            del h
+            out, b2 = self.linear2.forward_backward(d)
+
+            def backprop_fused(grad_out):
+                (gd,) = b2(grad_out)
+                return b1(_norm.relu_dropout_backward(gd, keep, p, d))
+            return out, backprop_fused
         a = self._act(h)
         d, bd = self.dropout.forward_backward(a)
         del a
         out, b2 = self.linear2.forward_backward(d)
-        relu = self._config["activation"] == "relu"
         # relu's backward reads the dropout's output d, which linear2 keeps
         # anyway (> 0 exactly where h > 0 and the element is kept; dropped
         # elements' gradients are zero already): h is not kept

@@ -240,6 +240,27 @@ def test_relu_backward_kernel(dtype, rng):
     np.testing.assert_array_equal(g, g0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(7,), (3, 5, 33), (512, 300)])
+def test_relu_dropout_fused_is_relu_then_dropout_bitwise(dtype, shape, rng):
+    """FeedForward's one-pass relu + dropout (and its backward) against the two
+    ops: the same mask, the same bytes (NaN, -0 and 0 inputs included), the
+    same draw from the generator."""
+    from fastattn import _norm
+    x = randn(rng, shape, dtype)
+    x.flat[::17], x.flat[::13], x.flat[::11] = np.nan, -0.0, 0.0
+    g1, g2 = np.random.default_rng(5), np.random.default_rng(5)
+    d1, k1 = _norm.relu_dropout(x, 0.3, rng=g1)
+    d2, k2 = F.dropout(F.relu(x), 0.3, rng=g2)
+    np.testing.assert_array_equal(k1, k2)
+    np.testing.assert_array_equal(d1.view(np.uint8), d2.view(np.uint8))
+    assert g1.integers(2**32) == g2.integers(2**32)
+    g = randn(rng, shape, dtype)
+    b1 = _norm.relu_dropout_backward(g, k1, 0.3, d1)
+    b2 = F.relu_backward(F.dropout_backward(g, k2, 0.3), d2)
+    np.testing.assert_array_equal(b1.view(np.uint8), b2.view(np.uint8))
+
+
 def test_relu_backward_nan_x_passes_the_gradient_as_torch():
     torch = pytest.importorskip("torch")
     x = np.array([np.nan, -1.0, 0.0, 2.0, -np.inf, np.inf])

@@ -108,6 +108,32 @@ def test_feed_forward_matches_torch(activation, rng):
         np.testing.assert_allclose(grads[name + ".bias"], mod.bias.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_feed_forward_training_dropout_is_the_ops_composed(activation, rng):
+    """In training with dropout, FeedForward (relu: one fused relu + dropout
+    pass each way) gives the bits of linear, activation, dropout and linear
+    composed from fastattn.functional with the same generator draw."""
+    import copy
+    ff = FeedForward(16, 40, activation=activation, dropout=0.25, seed=3)
+    ff.train()
+    x = randn(rng, (2, 9, 16), np.float32)
+    g = randn(rng, (2, 9, 16), np.float32)
+    gen = copy.deepcopy(ff.dropout._gen)
+    sd = ff.state_dict()
+    out, backprop = ff.forward_backward(x)
+    (dx,) = backprop(g)
+    h = F.linear(x, sd["linear1.weight"], sd["linear1.bias"])
+    a = F.relu(h) if activation == "relu" else F.gelu(h)
+    d, keep = F.dropout(a, 0.25, rng=gen)
+    want = F.linear(d, sd["linear2.weight"], sd["linear2.bias"])
+    np.testing.assert_array_equal(out, want)
+    gd = F.linear_backward(g, d, sd["linear2.weight"], sd["linear2.bias"])[0]
+    ga = F.dropout_backward(gd, keep, 0.25)
+    gh = F.relu_backward(ga, d) if activation == "relu" else F.gelu_backward(ga, h)
+    want_dx = F.linear_backward(gh, x, sd["linear1.weight"], sd["linear1.bias"])[0]
+    np.testing.assert_array_equal(dx, want_dx)
+
+
 def test_mean_pooling_masked(rng):
     x, g = randn(rng, (3, 4, 5)), randn(rng, (3, 5))
     m = np.array([[True] * 4, [True, True, False, False], [False] * 4])
