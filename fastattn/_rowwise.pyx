@@ -218,26 +218,29 @@ ctypedef struct ew_ctx:
     int simd        # dropout: fastattn's SIMD switch is on (the same bytes either way)
 
 
+ctypedef void (*drop_f32)(int64_t, int64_t, uint64_t, uint64_t, const float *, float *, float,
+                         uint8_t *, int) noexcept nogil
+ctypedef void (*drop_f64)(int64_t, int64_t, uint64_t, uint64_t, const double *, double *,
+                         double, uint8_t *, int) noexcept nogil
+
+
 cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef ew_ctx *c = <ew_ctx *>vctx
     cdef int64_t i0 = t * c.chunk
     cdef int64_t n = c.n - i0
     if n > c.chunk:
         n = c.chunk
-    if c.op == 0:
+    cdef drop_f32 d32
+    cdef drop_f64 d64
+    if c.op == 0 or c.op == 4:   # dropout, after a relu for op 4
         if c.f64:
-            fa_dropout_f64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out,
-                           c.scale, c.keep, c.simd)
+            d64 = fa_relu_dropout_f64 if c.op == 4 else fa_dropout_f64
+            d64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out, c.scale, c.keep,
+                c.simd)
         else:
-            fa_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
-                           <float>c.scale, c.keep, c.simd)
-    elif c.op == 4:
-        if c.f64:
-            fa_relu_dropout_f64(i0, i0 + n, c.seed, c.threshold, <double *>c.a, <double *>c.out,
-                                c.scale, c.keep, c.simd)
-        else:
-            fa_relu_dropout_f32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out,
-                                <float>c.scale, c.keep, c.simd)
+            d32 = fa_relu_dropout_f32 if c.op == 4 else fa_dropout_f32
+            d32(i0, i0 + n, c.seed, c.threshold, <float *>c.a, <float *>c.out, <float>c.scale,
+                c.keep, c.simd)
     elif c.op == 5:
         if c.f64:
             fa_relu_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale,
@@ -275,11 +278,10 @@ cdef void _ew_run(ew_ctx *c, int n_threads) noexcept nogil:
             _ew_task(c, t, 0)
 
 
-def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t threshold,
-            double scale, int n_threads):
-    """keep (n,) uint8 / bool from the seeded stream; with x and y (n,), y = x keep scale."""
+cdef _dropout_run(int op, object x, object y, cnp.ndarray keep, uint64_t seed,
+                  uint64_t threshold, double scale, int n_threads):
     cdef ew_ctx c
-    c.op = 0
+    c.op = op
     c.n = cnp.PyArray_DIMS(keep)[0]
     c.f64 = x is not None and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT64
     c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
@@ -290,20 +292,17 @@ def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t thresh
         _ew_run(&c, n_threads)
 
 
+def dropout(object x, object y, cnp.ndarray keep, uint64_t seed, uint64_t threshold,
+            double scale, int n_threads):
+    """keep (n,) uint8 / bool from the seeded stream; with x and y (n,), y = x keep scale."""
+    _dropout_run(0, x, y, keep, seed, threshold, scale, n_threads)
+
+
 def relu_dropout(cnp.ndarray x, cnp.ndarray y, cnp.ndarray keep, uint64_t seed,
                  uint64_t threshold, double scale, int n_threads):
     """keep (n,) from the seeded stream and y = relu(x) keep scale, all (n,): the
     bytes and floats of relu then dropout."""
-    cdef ew_ctx c
-    c.op = 4
-    c.n = cnp.PyArray_DIMS(keep)[0]
-    c.f64 = cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
-    c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
-    c.keep = <uint8_t *>_ptr(keep)
-    c.seed, c.threshold, c.scale = seed, threshold, scale
-    c.simd = runtime_simd(&g_rt)
-    with nogil:
-        _ew_run(&c, n_threads)
+    _dropout_run(4, x, y, keep, seed, threshold, scale, n_threads)
 
 
 def relu_mask_scale(cnp.ndarray g, cnp.ndarray keep, double scale, cnp.ndarray d,
