@@ -27,6 +27,8 @@ from ._multihead import (multi_head_attention, multi_head_attention_backward,
                          multi_head_attention_forward_backward)
 from ._norm import (dropout, dropout_backward, gelu, gelu_backward, layer_norm,
                     layer_norm_backward, relu, relu_backward)
+from ._norm import relu_dropout as _relu_dropout  # FeedForward's fused relu + dropout
+from ._norm import relu_dropout_backward as _relu_dropout_backward  # ... and its backward
 from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
                     sdpa_backward)

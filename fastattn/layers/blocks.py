@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _norm, functional as F
+from .. import functional as F
 from .._validation import check_eps as _check_eps, check_grad_array
 from ._base import (Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int)
 from .rnn import Linear
@@ -184,13 +184,13 @@ class FeedForward(Layer):
             # relu and dropout in one pass each way (the same mask, floats and
             # generator draw as the two layers); the backward reads d, which
             # linear2 keeps anyway: h is not kept
-            d, keep = _norm.relu_dropout(h, p, rng=self.dropout._gen)
+            d, keep = F._relu_dropout(h, p, rng=self.dropout._gen)
             del h
             out, b2 = self.linear2.forward_backward(d)
 
             def backprop_fused(grad_out):
                 (gd,) = b2(grad_out)
-                return b1(_norm.relu_dropout_backward(gd, keep, p, d))
+                return b1(F._relu_dropout_backward(gd, keep, p, d))
             return out, backprop_fused
         a = self._act(h)
         d, bd = self.dropout.forward_backward(a)
