@@ -225,10 +225,12 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     read as its transpose, block by block into per-call scratch, never a
     transposed copy of it), one call whose reduction runs in runs of
     :data:`PACKED_KC` terms, each summed from zero and added in order (as
-    accurate as torch's MKL: see there): about 1.5x OpenBLAS's speed on an
-    AVX-512 machine, 0.8-1.1x on an AVX2 one (Zen 3, 4096-row products of
-    a transformer step), at the cost of the packed operand (scratch kept per
-    thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
+    accurate as torch's MKL: see there): measured against NumPy's OpenBLAS
+    (one long float32 sum per output) on 4096-row products of a transformer
+    step, about 1.5x its speed on an AMD AVX-512 machine, 0.8-1.0x on an
+    Intel AVX-512 one (Xeon: 0.79x for 4096 x 256 into 1024, 0.96-0.97x at
+    the others) and 0.8-1.1x on an AVX2 one (Zen 3), at the cost of the
+    packed operand (scratch kept per thread, at most 16 MB).  The others run on :func:`fastattn._proj.matmul`
     (fastattn's worker pool, BLAS held at one thread, tiles fixed by the
     shapes).  Either way every element is summed in an order fixed by the
     shapes: the same bits for any ``n_threads`` (default
@@ -285,9 +287,10 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
 #: ``runs``, inside one call).  The packed
 #: kernel's one float32 accumulator per output over the whole reduction gave
 #: 2.3-4.4x torch's rms error at 4096 rows; runs of 256 1.1-1.4x, runs of 128
-#: 0.85-1.0x (max error 0.68-1.0x), about 1.5x OpenBLAS's speed (measured,
-#: one run, 2 threads: 4096 x 1024 into 256, 4096 x 256 into 1024, 1024 x
-#: 1000 into 256; tests/kernels/test_proj_transposed.py checks the ratios).
+#: 0.85-1.0x (max error 0.68-1.0x), about 1.5x OpenBLAS's speed on an AMD
+#: AVX-512 machine (measured, one run, 2 threads: 4096 x 1024 into 256, 4096
+#: x 256 into 1024, 1024 x 1000 into 256; 0.8-1.0x on an Intel one, see
+#: linear_backward; tests/kernels/test_proj_transposed.py checks the error ratios).
 PACKED_KC = 128
 
 
