@@ -485,15 +485,32 @@ static int cpu_has_avx512f(void)
 static int64_t g_pk_kc = FA_PROJ_PACKED_KC;
 static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 
+/* dst[c][r] = src[r][c] for rows [r0, r1): row blocks of 8 in column tiles of
+ * 64 (the tile's 8 x 64 source floats and its 64 x 8 destination floats stay
+ * in L1 while the 8 x 8 blocks move).  Exact copies. */
+static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
+                                int64_t lds, float *dst, int64_t ldd)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8)
+            transpose_block_f32(src + r * lds + c, lds, dst + c * ldd + r, ldd, one);
+        for (; c < cols; c++)
+            for (int i = 0; i < 8; i++)
+                dst[c * ldd + r + i] = src[(r + i) * lds + c];
+    }
+    for (; r < r1; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[c * ldd + r] = src[r * lds + c];
+}
+
 /* abuf (x given transposed, see fa_proj_packed_xt_runs_f32): MC x KC floats of
  * scratch; block (i0, k0) of x, read from the transposed array (row stride
- * ldx), is copied into it by transpose_avx2 (8 x 8 register transposes) before
- * the kernels read it (rows of kc), once for all the column panels -- the
- * floats a transposed copy of the whole x would hold, without writing and
- * rereading one. */
-static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
-                                int64_t lds, float *dst, int64_t ldd);
-
+ * ldx), is copied into it by transpose_avx2 before the kernels read it (rows of
+ * kc), once for all the column panels -- the floats a transposed copy of the
+ * whole x would hold, without writing and rereading one. */
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                             const float *wp, const float *b, float *y, int64_t ldy, int wide,
                             int64_t runs, float *abuf)
@@ -651,44 +668,6 @@ void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_
                 panel[c * FA_PROJ_PANEL + jj] = 0.0f;
         }
     }
-}
-
-#ifdef FA_PROJ_AVX2
-/* Row blocks of 8 in column tiles of 64: the tile's 8 x 64 source floats and
- * its 64 x 8 destination floats stay in L1 while the 8 x 8 blocks move. */
-static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
-                                int64_t lds, float *dst, int64_t ldd)
-{
-    const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
-    int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) {
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8)
-            transpose_block_f32(src + r * lds + c, lds, dst + c * ldd + r, ldd, one);
-        for (; c < cols; c++)
-            for (int i = 0; i < 8; i++)
-                dst[c * ldd + r + i] = src[(r + i) * lds + c];
-    }
-    for (; r < r1; r++)
-        for (int64_t c = 0; c < cols; c++)
-            dst[c * ldd + r] = src[r * lds + c];
-}
-#endif
-
-void fa_proj_transpose_f32(int64_t r0, int64_t r1, int64_t cols, const float *src, int64_t lds,
-                           float *dst, int64_t ldd, int simd)
-{
-#ifdef FA_PROJ_AVX2
-    if (simd && fa_proj_small_available()) {
-        transpose_avx2(r0, r1, cols, src, lds, dst, ldd);
-        return;
-    }
-#else
-    (void)simd;
-#endif
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t c = 0; c < cols; c++)
-            dst[c * ldd + r] = src[r * lds + c];
 }
 
 int fa_proj_packed_available(void)

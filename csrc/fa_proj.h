@@ -47,14 +47,6 @@ void fa_proj_pack_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t 
 void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
                                const float *bt, int64_t ldb, float *wp);
 
-/* Rows [r0, r1) of src (rows x cols, row stride lds) as columns [r0, r1) of
- * dst (cols x rows, row stride ldd): dst[c][r] = src[r][c].  8 x 8 AVX2
- * register transposes when simd != 0 and the CPU has AVX2, scalar edges;
- * exact copies either way.  For a product against a transposed activation
- * (linear_backward's grad_out^T x) on the packed kernel. */
-void fa_proj_transpose_f32(int64_t r0, int64_t r1, int64_t cols, const float *src, int64_t lds,
-                           float *dst, int64_t ldd, int simd);
-
 /* 1 when this build and CPU can run fa_proj_packed_f32 (AVX2 + FMA). */
 int fa_proj_packed_available(void);
 

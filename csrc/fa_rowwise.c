@@ -203,13 +203,6 @@ static RW_AVX2 inline __m256d ld4(const float *p)
     return _mm256_cvtps_pd(_mm_loadu_ps(p));
 }
 
-static RW_AVX2 inline double hsum4(__m256d v)   /* (v0 + v1) + (v2 + v3) */
-{
-    double t[4];
-    _mm256_storeu_pd(t, v);
-    return (t[0] + t[1]) + (t[2] + t[3]);
-}
-
 static RW_AVX2 void ln_stats_avx2(int64_t E, const float *x, double eps, double *mean,
                                   double *rstd)
 {

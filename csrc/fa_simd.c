@@ -1166,11 +1166,6 @@ AVX512 static inline void tnz_add4(double *ar, __m512 s0, __m512 s1, __mmask16 k
     _mm512_mask_storeu_pd(ar + 24, m3, _mm512_add_pd(_mm512_maskz_loadu_pd(m3, ar + 24), d3));
 }
 
-AVX512 static inline __mmask16 tnz_mask16(int64_t cnt)
-{
-    return cnt >= 16 ? (__mmask16)0xFFFF : cnt <= 0 ? (__mmask16)0 : (__mmask16)((1u << cnt) - 1u);
-}
-
 AVX512 static void gemm_tn_acc_f32_avx512(int64_t M, int64_t N, int64_t K, float alpha,
                                           const float *A, int64_t lda, const float *B,
                                           int64_t ldb, double *acc, int64_t ldacc)
@@ -1179,7 +1174,7 @@ AVX512 static void gemm_tn_acc_f32_avx512(int64_t M, int64_t N, int64_t K, float
     for (int64_t i = 0; i < M; i += 8) {   /* rows outermost, as the AVX2 kernel */
         const int R = M - i < 8 ? (int)(M - i) : 8;
         for (int64_t j = 0; j < N; j += 32) {
-            const __mmask16 k0m = tnz_mask16(N - j), k1m = tnz_mask16(N - j - 16);
+            const __mmask16 k0m = mask16(N - j), k1m = mask16(N - j - 16);
             switch (R) {
             case 8: TNZ_BLOCK(8); break;
             case 7: TNZ_BLOCK(7); break;
@@ -1224,11 +1219,6 @@ AVX512 static void gemm_tn_acc_f32_avx512(int64_t M, int64_t N, int64_t K, float
         }                                                                                  \
     } while (0)
 
-AVX512 static inline __mmask8 tnz_mask8(int64_t cnt)
-{
-    return cnt >= 8 ? (__mmask8)0xFF : cnt <= 0 ? (__mmask8)0 : (__mmask8)((1u << cnt) - 1u);
-}
-
 AVX512 static void gemm_tn_acc_f64_avx512(int64_t M, int64_t N, int64_t K, double alpha,
                                           const double *A, int64_t lda, const double *B,
                                           int64_t ldb, double *acc, int64_t ldacc)
@@ -1237,7 +1227,7 @@ AVX512 static void gemm_tn_acc_f64_avx512(int64_t M, int64_t N, int64_t K, doubl
     for (int64_t i = 0; i < M; i += 8) {
         const int R = M - i < 8 ? (int)(M - i) : 8;
         for (int64_t j = 0; j < N; j += 16) {
-            const __mmask8 k0m = tnz_mask8(N - j), k1m = tnz_mask8(N - j - 8);
+            const __mmask8 k0m = mask8(N - j), k1m = mask8(N - j - 8);
             switch (R) {
             case 8: TNZ_BLOCK_D(8); break;
             case 7: TNZ_BLOCK_D(7); break;

@@ -77,8 +77,6 @@ cdef extern from "fa_proj.h" nogil:
                                  const float *w, int64_t ldw, float *wp, int simd)
     void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_t k,
                                    const float *bt, int64_t ldb, float *wp)
-    void fa_proj_transpose_f32(int64_t r0, int64_t r1, int64_t cols, const float *src,
-                               int64_t lds, float *dst, int64_t ldd, int simd)
     int fa_proj_packed_available()
     void fa_proj_packed_tune(int64_t kc, int64_t mc)
     int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
@@ -386,55 +384,6 @@ def packs_transposed(int64_t M, int64_t N, int64_t K):
     return (M >= g_pack_min_rows and g_pack_min_rows > 0 and N > 0 and K > 0
             and fa_proj_packed_size(N, K) <= g_pack_max_elems
             and runtime_simd(&g_rt) and fa_proj_packed_available() != 0)
-
-
-ctypedef struct tr_ctx:
-    const float *src
-    float *dst
-    int64_t rows, cols, lds, ldd, per_task
-    int simd
-
-
-cdef void _transpose_task(void *vctx, int64_t t, int slot) noexcept nogil:
-    cdef tr_ctx *p = <tr_ctx *>vctx
-    cdef int64_t r0 = t * p.per_task
-    cdef int64_t r1 = r0 + p.per_task
-    if r1 > p.rows:
-        r1 = p.rows
-    if r0 < r1:
-        fa_proj_transpose_f32(r0, r1, p.cols, p.src, p.lds, p.dst, p.ldd, p.simd)
-
-
-def transpose_f32(cnp.ndarray a, cnp.ndarray out, int n_threads):
-    """``out[...] = a.T`` for a float32 ``a (rows, cols)`` with contiguous rows
-    and a C-contiguous float32 ``out (cols, rows)`` (unchecked: fastattn's
-    own buffers), on up to ``n_threads`` threads (row chunks that are
-    multiples of 8; 8 x 8 AVX2 transposes while SIMD is on).  Exact copies.
-    Returns ``out``."""
-    cdef tr_ctx p
-    cdef int64_t t, ntasks
-    cdef int nt = n_threads if n_threads > 0 else 1
-    p.rows = cnp.PyArray_DIMS(a)[0]
-    p.cols = cnp.PyArray_DIMS(a)[1]
-    if p.rows == 0 or p.cols == 0:
-        return out
-    p.lds = _rows_ld(a, p.cols)
-    p.ldd = _rows_ld(out, p.rows)
-    p.src = <const float *>cnp.PyArray_DATA(a)
-    p.dst = <float *>cnp.PyArray_DATA(out)
-    p.simd = runtime_simd(&g_rt)
-    if g_rt.pool_run == NULL or p.rows * p.cols < (1 << 16):
-        nt = 1
-    ntasks = 4 * nt if nt > 1 else 1
-    p.per_task = ((p.rows + ntasks - 1) // ntasks + 7) // 8 * 8
-    ntasks = (p.rows + p.per_task - 1) // p.per_task
-    with nogil:
-        if nt > 1:
-            runtime_run(&g_rt, ntasks, nt, _transpose_task, &p, NULL, NULL)
-        else:
-            for t in range(ntasks):
-                _transpose_task(&p, t, 0)
-    return out
 
 
 def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,

@@ -1,5 +1,5 @@
 """The packed projection kernel on transposed operands (linear_backward's float32
-products): fastattn._proj.transpose_f32, _proj.linear(w_transposed=True), and
+products): _proj.linear(w_transposed=True), with x_transposed, and
 linear_backward taking that path -- against float64 NumPy, the same bits for
 any thread count, SIMD on and off."""
 from __future__ import annotations
@@ -15,22 +15,6 @@ from support import randn
 @pytest.fixture(autouse=True)
 def _runtime():
     _linear._ensure_runtime()
-
-
-@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 9), (8, 8), (16, 64), (33, 70), (300, 517)])
-@pytest.mark.parametrize("n_threads", [1, 2, 3])
-def test_transpose_is_exact(simd_mode, rows, cols, n_threads, rng):
-    a = randn(rng, (rows, cols), np.float32)
-    out = np.full((cols, rows), np.nan, np.float32)
-    assert _proj.transpose_f32(a, out, n_threads) is out
-    np.testing.assert_array_equal(out, a.T)
-
-
-def test_transpose_of_a_row_strided_view(rng):
-    big = randn(rng, (40, 90), np.float32)
-    a = big[:, 5:70]      # rows of 65 floats, 90 apart
-    out = np.empty((65, 40), np.float32)
-    np.testing.assert_array_equal(_proj.transpose_f32(a, out, 2), a.T)
 
 
 needs_packed = pytest.mark.skipif(not _proj.packed_kernel_active(),
