@@ -300,6 +300,99 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     return _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct)
 
 
+class _SteppedScan:
+    """One RNN layer stepped one step a call over ``T`` steps with the same
+    weights, for training (AttentionDecoder's Bahdanau loop: the score of step
+    t reads the state of step t - 1, so the cells cannot run as one scan).
+
+    Each :meth:`forward` is :func:`rnn_scan` over T = 1 with
+    ``return_gates=True`` and each :meth:`backward` is
+    :func:`rnn_scan_backward` over T = 1 with those gates, the same floats,
+    without their per-call costs: the arguments are checked here once, W_hh
+    is packed here once for both directions' products (the calls would pack
+    it on every call) and the backward leaves the weight gradients to
+    :meth:`weight_grads`, one product over all the steps' rows (as
+    rnn_scan_backward computes them for a whole sequence: runs of
+    :data:`DW_CHUNK` rows summed in float64; dL/db_hh summed in float64 over
+    every step) instead of a product and a float32 sum per step.
+
+    Internal: the caller (fastattn.layers.seq2seq) hands arrays of the shapes
+    and compute dtype given here, made by itself; ``w_hh`` and ``b_hh`` must
+    not change while the object is used (the packed copies would be stale).
+    """
+
+    def __init__(self, w_hh, b_hh, cell, B, T, ct, n_threads=None):
+        G = RNN_CELLS[cell]
+        H = w_hh.shape[1]
+        a = _scan_args(np.zeros((B, 1, G * H), ct), w_hh, b_hh, np.zeros((B, H), ct), cell,
+                       np.zeros((B, H), ct) if cell == "lstm" else None, None, False, n_threads)
+        if a.ct != ct:
+            raise TypeError(f"w_hh: expected compute dtype {ct}, got {a.ct}")
+        self.cell, self.code, self.B, self.T, self.H, self.GH = cell, _rnn.CELLS[cell], B, T, H, G * H
+        self.ct, self.nt = ct, a.nt
+        self.w = canonical_matrix_stack(a.w, ct)
+        self.b = None if a.b is None else np.ascontiguousarray(a.b, dtype=ct)
+        _ensure_runtime()
+        self.pack_f = _rnn.pack_recurrent(self.w, False) if ct == _F32 else None
+        self.pack_b = _rnn.pack_recurrent(self.w, True) if ct == _F32 else None
+        # per step (index t): the products' left factors and the states they met
+        self._dg = np.zeros((T, B, self.GH), ct)
+        self._hp = np.zeros((T, B, H), ct)
+        self._db = None if self.b is None else np.zeros((B, self.GH), np.float64)
+
+    def forward(self, xw3, h, c=None):
+        """xw3 (B, 1, G*H), h (B, H) (c: LSTM) -> ``(out (B, 1, H), h1, c1 or
+        None, gates (B, 1, G*H))`` as rnn_scan(..., return_gates=True)."""
+        B, H, ct = self.B, self.H, self.ct
+        gates = np.zeros((B, 1, self.GH), ct)
+        h1 = np.array(h, dtype=ct, order="C", copy=True)
+        c1 = None
+        if self.cell == "lstm":
+            c1 = np.zeros((B, H), ct) if c is None else np.array(c, dtype=ct, order="C", copy=True)
+        out = np.zeros((B, 1, H), ct)
+        _rnn.scan(self.code, _step_rows(xw3), self.w, self.b, h1, c1, out, None, False, self.nt,
+                  gates, self.pack_f)
+        return out, h1, c1, gates
+
+    def start_backward(self):
+        """Before a backward pass over the steps (each pass sums its own db_hh)."""
+        if self._db is not None:
+            self._db[...] = 0
+
+    def backward(self, t, grad_out3, grad_h, xw3, h_prev, gates, c_prev=None, grad_c=None):
+        """Step ``t``'s rnn_scan_backward (its forward's xw3, h_prev, gates and
+        c_prev; grad_out3 (B, 1, H), grad_h (B, H), grad_c LSTM or None) ->
+        ``(dxw (B, 1, G*H), dh_prev, dc_prev or None)``; the step's share of
+        dW_hh and db_hh is kept for :meth:`weight_grads` (a pass over the steps
+        starts with :meth:`start_backward`)."""
+        B, H, ct = self.B, self.H, self.ct
+        dh = np.array(grad_h, dtype=ct, order="C", copy=True)
+        dc = None
+        if self.cell == "lstm":
+            dc = np.zeros((B, H), ct) if grad_c is None else np.array(grad_c, dtype=ct, order="C",
+                                                                        copy=True)
+        hp = self._hp[t]
+        hp[...] = h_prev
+        dxw = np.empty((B, 1, self.GH), ct)
+        gru = self.cell == "gru"
+        dgh = self._dg[t].reshape(B, 1, self.GH) if gru else None
+        c0c = None if (self.cell != "lstm" or c_prev is None) else _contig(c_prev, ct)
+        _rnn.scan_backward(self.code, _step_rows(xw3), _contig(gates, ct), None,
+                           hp.reshape(B, 1, H), c0c, _step_rows(grad_out3), self.w, None, False,
+                           dxw, dgh, dh, dc, self._db, self.nt, self.pack_b)
+        if not gru:
+            self._dg[t] = dxw[:, 0]
+        return dxw, dh, dc
+
+    def weight_grads(self):
+        """``(dW_hh (G*H, H), db_hh (G*H,) or None)`` over every step's backward."""
+        n = self.T * self.B
+        dW = _matmul(self._dg.reshape(n, self.GH).T, self._hp.reshape(n, self.H), self.ct,
+                     self.nt, kc=DW_CHUNK)
+        db = None if self._db is None else self._db.sum(axis=0).astype(self.ct)
+        return dW, db
+
+
 def _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct):
     """rnn_scan_backward's results in their inputs' dtypes."""
     def back(g_, x):

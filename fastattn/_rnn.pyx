@@ -308,8 +308,51 @@ cdef inline void _chunk_args(scan_ctx *s, const char *xw_base, char *out_base, c
         s.a.lengths = lens_c
 
 
+cdef cnp.ndarray _prepacked(object wp, int64_t size):
+    """``wp`` checked as a packed W_hh of ``size`` floats (pack_recurrent's)."""
+    if (not isinstance(wp, cnp.ndarray) or cnp.PyArray_TYPE(<cnp.ndarray>wp) != cnp.NPY_FLOAT32
+            or cnp.PyArray_NDIM(<cnp.ndarray>wp) != 1 or cnp.PyArray_DIMS(<cnp.ndarray>wp)[0] != size
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>wp)):
+        raise ValueError(f"wpack: expected pack_recurrent's 1-d float32 array of {size} floats for "
+                         f"these sizes, got {getattr(wp, 'dtype', type(wp).__name__)} "
+                         f"{getattr(wp, 'shape', '')}")
+    return <cnp.ndarray>wp
+
+
+def pack_recurrent(cnp.ndarray whh, bint transposed):
+    """W_hh (G*H, H) float32, rows contiguous, packed once for several
+    :func:`scan` (``transposed`` False) or :func:`scan_backward` (True) calls
+    with the same weights (a decoder stepping one step a call): the panels those
+    calls would otherwise pack on every call, the same floats.  None where they
+    do not pack (float64, no AVX2 / packed kernel, the forward's packing tuned
+    off).  The copy is a snapshot: later writes to whh are not in it."""
+    cdef int64_t GH = cnp.PyArray_DIMS(whh)[0]
+    cdef int64_t H = cnp.PyArray_DIMS(whh)[1]
+    cdef int64_t ldw
+    cdef cnp.ndarray wp
+    if (cnp.PyArray_TYPE(whh) != cnp.NPY_FLOAT32 or not runtime_level(&g_rt)
+            or not fa_proj_packed_available() or (not transposed and not g_packed)
+            or GH < 1 or H < 1):
+        return None
+    if cnp.PyArray_STRIDES(whh)[1] != 4:
+        raise ValueError("whh: expected rows contiguous")
+    ldw = H if GH <= 1 else cnp.PyArray_STRIDES(whh)[0] // 4
+    if transposed:
+        wp = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(H, GH)], cnp.NPY_FLOAT32, 0)
+        with nogil:
+            fa_proj_pack_t_panels_f32(0, (H + 15) // 16, H, GH, <const float *>cnp.PyArray_DATA(whh),
+                                      ldw, <float *>cnp.PyArray_DATA(wp))
+    else:
+        wp = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(GH, H)], cnp.NPY_FLOAT32, 0)
+        with nogil:
+            fa_proj_pack_panels_f32(0, (GH + 15) // 16, GH, H, <const float *>cnp.PyArray_DATA(whh),
+                                    ldw, <float *>cnp.PyArray_DATA(wp), 1)
+    return wp
+
+
 def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, object c,
-         object out, object lengths, bint reverse, int n_threads, object gates=None):
+         object out, object lengths, bint reverse, int n_threads, object gates=None,
+         object wpack=None):
     """Run one layer and direction over all time steps.
 
     xw: (B, T, G*H) input projections (b_ih included), last axis contiguous,
@@ -318,7 +361,9 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     overwritten with the final one; c: the same for LSTM, else None; out:
     (B, T, H) with last axis contiguous, or None; lengths: (B,) int64
     contiguous with values in [0, T], or None; gates: (B, T, G*H) with last axis
-    contiguous, receives h W_hh^T + b_hh of every real step, or None.  One float dtype throughout;
+    contiguous, receives h W_hh^T + b_hh of every real step, or None; wpack: None
+    or :func:`pack_recurrent` ``(whh, False)`` made from this whh (used where the
+    scan would pack W_hh itself, instead of packing it again).  One float dtype throughout;
     B, T, H >= 1; G*H, H, B within int.  Returns the number of row blocks,
     or minus the number of threads when the units were split instead.
     From the main thread, KeyboardInterrupt stops the scan between chunks of
@@ -375,7 +420,9 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
     s.a.wpack = NULL
     s.gh = <int64_t>G * H
     s.status = 0
-    cdef cnp.ndarray wpack = None
+    cdef object prepacked = wpack
+    cdef bint pack_here = 0
+    wpack = None
     cdef cnp.ndarray claimed, done, hbuf
     # main thread: the steps in chunks, the stop callback asked between them
     cdef interrupt_state intr
@@ -435,12 +482,16 @@ def scan(int cell, cnp.ndarray xw, cnp.ndarray whh, object bhh, cnp.ndarray h, o
         scratch = cnp.PyArray_EMPTY(1, [B * s.gh], cnp.PyArray_TYPE(xw), 0)
         if g_packed and s.f32 and s.a.simd and fa_proj_packed_available():
             # W_hh packed once for the packed AVX2 kernel (every block, every step)
-            wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(s.gh, H)], cnp.NPY_FLOAT32, 0)
-            s.a.wpack = <const float *>cnp.PyArray_DATA(wpack)
+            if prepacked is not None:
+                wpack = _prepacked(prepacked, fa_proj_packed_size(s.gh, H))
+            else:
+                wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(s.gh, H)], cnp.NPY_FLOAT32, 0)
+                pack_here = 1
+            s.a.wpack = <const float *>cnp.PyArray_DATA(<cnp.ndarray>wpack)
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     with nogil:
         hook = runtime_hold(&g_rt)
-        if s.a.wpack != NULL:
+        if pack_here:
             fa_proj_pack_panels_f32(0, (s.gh + 15) // 16, s.gh, H, <const float *>s.a.whh,
                                     s.a.ldw, <float *>s.a.wpack, 1)
         # chunk k: steps [t0, t0 + tc); split: every chunk starts from hbuf[1]
@@ -619,7 +670,8 @@ def backward_blocks(int64_t B, int64_t H, int G):
 
 def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object hprev, object c0,
                   object go, cnp.ndarray whh, object lengths, bint reverse, cnp.ndarray dxw,
-                  object dgh, cnp.ndarray dh, object dc, object db, int n_threads):
+                  object dgh, cnp.ndarray dh, object dc, object db, int n_threads,
+                  object wpack=None):
     """The dh (and dc) recurrence of one layer and direction, backwards over all steps.
 
     xw: (B, T, G*H) the forward's input projections, last axis contiguous, any
@@ -632,7 +684,9 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     C-contiguous; dgh the same (GRU) or None; dh (B, H) C-contiguous holds
     dL/dh_T and receives dL/dh_0; dc the same for LSTM, else None; db: (B, G*H)
     float64 zeros or None, row i * rows receives row block i's sums of dgh
-    (float64; dL/db_hh = db.sum(0), in block order).  One float
+    (float64; dL/db_hh = db.sum(0), in block order; the sums are added to
+    what db holds, so one db can gather several calls); wpack: None or
+    :func:`pack_recurrent` ``(whh, True)`` made from this whh.  One float
     dtype; B, T, H >= 1; G*H, H, B within int.  Returns the number of row
     blocks (fixed by B, G and H).  From the main thread, KeyboardInterrupt
     stops between chunks of steps and is raised here.
@@ -646,7 +700,10 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     cdef int nt = n_threads if n_threads > 0 else 1
     cdef int64_t nblocks, rows, k, tc
     cdef void *hook = NULL
-    cdef cnp.ndarray scratch, wpack = None
+    cdef cnp.ndarray scratch
+    cdef object prepacked = wpack
+    cdef bint pack_here = 0
+    wpack = None
     s.f32 = cnp.PyArray_TYPE(xw) == cnp.NPY_FLOAT32
     s.item = item
     s.a.cell = cell
@@ -692,8 +749,12 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
     s.scratch = <char *>cnp.PyArray_DATA(scratch)
     if s.f32 and s.a.simd and fa_proj_packed_available():
         # W_hh^T packed once for the AVX2 kernel (its 16-column panels)
-        wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(H, <int64_t>G * H)], cnp.NPY_FLOAT32, 0)
-        s.a.wpack = <const float *>cnp.PyArray_DATA(wpack)
+        if prepacked is not None:
+            wpack = _prepacked(prepacked, fa_proj_packed_size(H, <int64_t>G * H))
+        else:
+            wpack = cnp.PyArray_EMPTY(1, [fa_proj_packed_size(H, <int64_t>G * H)], cnp.NPY_FLOAT32, 0)
+            pack_here = 1
+        s.a.wpack = <const float *>cnp.PyArray_DATA(<cnp.ndarray>wpack)
     # main thread: the steps in chunks, the stop callback asked between them
     cdef interrupt_state intr
     cdef bint interruptible = interrupt_arm(&intr, _main_ident) != NULL
@@ -705,7 +766,7 @@ def scan_backward(int cell, cnp.ndarray xw, cnp.ndarray gh, object bhh, object h
             chunk = 1
     with nogil:
         hook = runtime_hold(&g_rt)
-        if s.a.wpack != NULL:
+        if pack_here:
             fa_proj_pack_t_panels_f32(0, (H + 15) // 16, H, <int64_t>G * H,
                                       <const float *>s.a.whh, s.a.ldw, <float *>s.a.wpack)
         if cell == 3:   # LSTM: the cell states of every step first

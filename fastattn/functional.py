@@ -22,6 +22,7 @@ from ._attention import PreparedAttention, attention, attention_backward
 from ._embedding import embedding, embedding_backward
 from ._embedding import accumulate_backward as _embedding_backward_into  # the layers' in-place form
 from ._linear import linear, linear_backward
+from ._linear import _PackedLinear  # AttentionDecoder's per-step products
 from ._merge import merge_attention
 from ._multihead import (multi_head_attention, multi_head_attention_backward,
                          multi_head_attention_forward_backward)
@@ -30,6 +31,7 @@ from ._norm import (dropout, dropout_backward, gelu, gelu_backward, layer_norm,
 from ._norm import relu_dropout as _relu_dropout  # FeedForward's fused relu + dropout
 from ._norm import relu_dropout_backward as _relu_dropout_backward  # ... and its backward
 from ._recurrence import rnn_cell, rnn_cell_backward, rnn_scan, rnn_scan_backward
+from ._recurrence import _SteppedScan  # ... and its recurrence stepped one step a call
 from ._sdpa import (BackwardPlan, Plan, explain, explain_backward, scaled_dot_product_attention,
                     sdpa_backward)
 

@@ -405,6 +405,13 @@ class AttentionDecoder(Layer):
         # the backward's per-step products d(xw) W as linears on the transposes
         WT = [np.ascontiguousarray(w_c.T)] + [np.ascontiguousarray(W[k][0].T) for k in range(1, Lr)]
         xe = F.linear(emb.reshape(B * T, E), W[0][0][:, :E], W[0][2]).reshape(B, T, GH)
+        # the per-step products with their weights checked and packed once for
+        # all steps, the recurrence's W_hh too (fastattn.functional's private
+        # helpers; the weight gradients of W_hh once, after the loop)
+        lin_c = F._PackedLinear(w_c)
+        lin_ih = [None] + [F._PackedLinear(W[k][0], W[k][2]) for k in range(1, Lr)]
+        lin_t = [F._PackedLinear(wt) for wt in WT]
+        scans = [F._SteppedScan(W[k][1], W[k][3], cell, B, T, ct) for k in range(Lr)]
         hs = [np.array(st[0][k], dtype=ct) for k in range(Lr)]
         cs = [np.array(st[1][k], dtype=ct) for k in range(Lr)] if lstm else [None] * Lr
         ctxs = np.empty((B, T, D), ct)
@@ -414,16 +421,14 @@ class AttentionDecoder(Layer):
             q = hs[-1][:, None, :]
             ctx, lse = attend(q)
             ctxs[:, t] = ctx[:, 0]
-            xw = xe[:, t] + F.linear(ctx[:, 0], w_c)
+            xw = xe[:, t] + lin_c(ctx[:, 0])
             steps = []
             for k in range(Lr):
-                wih, whh, bih, bhh = W[k]
                 if k:
                     ins[k][:, t] = inp
-                    xw = F.linear(inp, wih, bih)
+                    xw = lin_ih[k](inp)
                 xw3 = xw[:, None, :]
-                o, h1, c1, gates = F.rnn_scan(xw3, whh, bhh, hs[k], cell=cell, c0=cs[k],
-                                              return_gates=True)
+                o, h1, c1, gates = scans[k].forward(xw3, hs[k], cs[k])
                 steps.append((xw3, o, gates, hs[k], cs[k]))
                 hs[k], cs[k] = h1, c1
                 inp = o[:, 0]
@@ -441,25 +446,21 @@ class AttentionDecoder(Layer):
             dh = [np.array(dst[0][k]) for k in range(Lr)]
             dc = [np.array(dst[1][k]) for k in range(Lr)] if lstm else [None] * Lr
             dXW = [np.empty((B, T, GH), ct) for _ in range(Lr)]
-            dwhh = [np.zeros((GH, H), ct) for _ in range(Lr)]
-            dbhh = [np.zeros(GH, ct) for _ in range(Lr)]
+            for sc in scans:
+                sc.start_backward()
             for t in reversed(range(T)):
                 q, ctx, lse, steps = tape[t]
                 d_o = dtop[:, t]
                 for k in reversed(range(Lr)):
                     xw3, o, gates, h_prev, c_prev = steps[k]
-                    wih, whh, bih, bhh = W[k]
-                    dxw, dw, db, dh[k], dck = F.rnn_scan_backward(
-                        d_o[:, None, :], dh[k], xw3, whh, bhh, h_prev, o, cell=cell, c0=c_prev,
-                        grad_c_n=dc[k], gates=gates)
+                    dxw, dh[k], dck = scans[k].backward(t, d_o[:, None, :], dh[k], xw3, h_prev,
+                                                        gates, c_prev, dc[k])
                     if lstm:
                         dc[k] = dck
-                    dwhh[k] += dw
-                    dbhh[k] += db
                     dXW[k][:, t] = dxw[:, 0]
                     if k:
-                        d_o = F.linear(dxw[:, 0], WT[k])
-                dctx = F.linear(dXW[0][:, t], WT[0])
+                        d_o = lin_t[k](dxw[:, 0])
+                dctx = lin_t[0](dXW[0][:, t])
                 dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
                 dmem += dm
                 if dkp is not None:   # summed in place (this call's fresh array first)
@@ -476,11 +477,12 @@ class AttentionDecoder(Layer):
                 if k:
                     _, dwih, dbih = F.linear_backward(dXW[k].reshape(B * T, GH),
                                                       ins[k].reshape(B * T, H), W[k][0], W[k][2])
+                dwhh, dbhh = scans[k].weight_grads()
                 gr[f"weight_ih_l{k}"] += dwih
-                gr[f"weight_hh_l{k}"] += dwhh[k]
+                gr[f"weight_hh_l{k}"] += dwhh
                 if rnn.bias:
                     gr[f"bias_ih_l{k}"] += dbih
-                    gr[f"bias_hh_l{k}"] += dbhh[k]
+                    gr[f"bias_hh_l{k}"] += dbhh
             back_emb(dx0[:, :E].reshape(B, T, E))
             out_state = [np.stack(dh)] + ([np.stack(dc)] if lstm else [])
             return result(out_state, keys_backward(dmem, dkeys))
