@@ -222,7 +222,9 @@ class PreparedAttention:
         if t.kcache:  # the fused additive kernel with the keys projected and padded
             wq, b, kx, packed, bq, nt_k = t.kcache
             qc = canonical_matrix_stack(q, p.cdt)
-            if qc.size // max(qc.shape[-1], 1) <= _FEW_ROWS and kx.shape[-1] == wq.shape[0] and qc.size:
+            if wq is None:   # projected queries (ProjectedAdditiveSimilarity)
+                qx = _pad_columns(qc, kx.shape[-1], p.cdt)
+            elif qc.size // max(qc.shape[-1], 1) <= _FEW_ROWS and kx.shape[-1] == wq.shape[0] and qc.size:
                 # a decoder step's query: no padding needed, the same product as _project's
                 qx = np.matmul(qc.reshape(-1, qc.shape[-1]), wq.T)
                 if b is not None:
@@ -665,12 +667,14 @@ def _run_fused(c, res, weights, lse=None):
             kx = np.zeros(c.k.shape[:-1] + (1,), cdt)
     else:
         _, wq, wk, b, vvec = c.lowered
-        if _pad(wq.shape[0]) > _validation.BLAS_INT_MAX:
+        d_a = vvec.shape[0]
+        if _pad(d_a) > _validation.BLAS_INT_MAX:
             raise ValueError(
-                f"params: attention size d_a={wq.shape[0]} (padded to {_pad(wq.shape[0])}) "
+                f"params: attention size d_a={d_a} (padded to {_pad(d_a)}) "
                 f"exceeds the BLAS 32-bit integer range (max {_validation.BLAS_INT_MAX})")
         _ensure_blas_hook()
-        qx = _project(c.q, wq, b, cdt, nt)
+        # wq None: the queries are projected already (ProjectedAdditiveSimilarity)
+        qx = _project(c.q, wq, b, cdt, nt) if wq is not None else _pad_columns(c.q, _pad(d_a), cdt)
         kx = _project(c.k, wk, None, cdt, nt) if wk is not None else _pad_columns(c.k, qx.shape[-1], cdt)
         packed = np.zeros(qx.shape[-1], dtype=cdt)
         packed[:vvec.shape[0]] = vvec
@@ -951,13 +955,13 @@ def _backward_additive(c, g, o, ls):
     _, wq, wk, b, vvec = c.lowered
     p = c.p
     cdt = p.cdt
-    d_a = wq.shape[0]
+    d_a = vvec.shape[0]
     if _pad(d_a) > _validation.BLAS_INT_MAX:
         raise ValueError(
             f"params: attention size d_a={d_a} (padded to {_pad(d_a)}) "
             f"exceeds the BLAS 32-bit integer range (max {_validation.BLAS_INT_MAX})")
     _ensure_blas_hook()
-    qp = _project(c.q, wq, b, cdt, p.n_threads)
+    qp = _project(c.q, wq, b, cdt, p.n_threads) if wq is not None else _pad_columns(c.q, _pad(d_a), cdt)
     dp = qp.shape[-1]
     kp = _project(c.k, wk, None, cdt, p.n_threads) if wk is not None else _pad_columns(c.k, dp, cdt)
     nb = math.prod(p.batch)
@@ -1002,10 +1006,10 @@ def _backward_additive_tiled(c, g, o, ls):
     cdt = p.cdt
     if _scores is not None:
         _ensure_blas_hook()
-        qp = _project(c.q, wq, b, cdt, p.n_threads, pad=False)
+        qp = c.q if wq is None else _project(c.q, wq, b, cdt, p.n_threads, pad=False)
         kp = c.k if wk is None else _project(c.k, wk, None, cdt, p.n_threads, pad=False)
     else:  # pragma: no cover - only while the extension is not built
-        qp = np.matmul(c.q, wq.T) + (0 if b is None else b)
+        qp = c.q if wq is None else np.matmul(c.q, wq.T) + (0 if b is None else b)
         kp = c.k if wk is None else np.matmul(c.k, wk.T)
     tiles = _AdditiveTiles(p, qp, kp, vvec)
     dv = _tiled_backward(c, g, o, ls, tiles)

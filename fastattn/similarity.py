@@ -496,12 +496,12 @@ def _additive_grads(query, key, wq, wk, dqp, dkp, dv, n_threads=None):
             return _sum_rows_t(a, x)
         return _matmul(_rows(a).T, _rows(x), a.dtype, n_threads)
 
-    return {
-        "query": mm(dqp, wq),
+    return {   # wq None: the queries are the projections themselves
+        "query": dqp if wq is None else mm(dqp, wq),
         "key": dkp if wk is None else mm(dkp, wk),
-        "W_q": sum_rows_t(dqp, query),
+        "W_q": None if wq is None else sum_rows_t(dqp, query),
         "W_k": None if wk is None else sum_rows_t(dkp, key),
-        "b": _rows(dqp).sum(axis=0, dtype=np.float64).astype(dqp.dtype),
+        "b": None if wq is None else _rows(dqp).sum(axis=0, dtype=np.float64).astype(dqp.dtype),
         "v": dv,
     }
 
@@ -824,6 +824,16 @@ class PrecomputedAdditiveSimilarity(Similarity):
     def _lower(self, query, key, params):
         return ("additive", params["W_q"], None, params.get("b"), params["v"])
 
+    def split_query_projection(self, params):
+        """``(similarity, params', W_q, b)``: ``attention(q W_qᵀ + b, k, v,
+        similarity, params=params')`` equals ``attention(q, k, v, self,
+        params=params)`` -- for a caller that projects the queries itself (and
+        takes W_q's and b's gradients back through its own products); ``b``
+        None without a bias.  ``params`` checked (``check_params``)."""
+        v = np.array(params["v"])
+        v.flags.writeable = False
+        return ProjectedAdditiveSimilarity(), {"v": v}, params["W_q"], params.get("b")
+
     def _lower_backward(self, query, key, params, grads):
         dp = {"W_q": grads["W_q"], "v": grads["v"]}
         if "b" in params:
@@ -838,6 +848,42 @@ class PrecomputedAdditiveSimilarity(Similarity):
         dqp, dkp = sum_to_shape(dqp, qp.shape), sum_to_shape(dkp, key.shape)
         return self._lower_backward(query, key, params,
                                     _additive_grads(query, key, params["W_q"], None, dqp, dkp, dv))
+
+
+class ProjectedAdditiveSimilarity(Similarity):
+    """``v . tanh(q + k)``: additive attention whose queries and keys are both
+    already projected (``q = W_q s + b``, ``k = W_k h``, width d_a each), for a
+    caller that keeps the projections itself (AttentionDecoder's training loop:
+    the query projection of every step, and its weight gradient, as products
+    of its own over all steps).  Not registered; runs in the fused additive
+    kernel with no projection at all; its backward's query gradient is that of
+    the projected query."""
+
+    name = "additive_projected"
+    params_spec = {"v": ParamSpec(("d_k",), doc="output vector")}
+
+    def check_params(self, params, d_q, d_k, dtype):
+        if d_q != d_k:
+            raise ValueError(f"query: expected the projected width of the keys ({d_k}) for "
+                             f"similarity {self.name!r}, got {d_q}")
+        v = params.get("v") if isinstance(params, dict) else None
+        if (isinstance(v, np.ndarray) and len(params) == 1 and v.dtype == dtype
+                and v.shape == (d_k,) and not v.flags.writeable):
+            return params   # a caller's checked, read-only vector: not copied every step
+        return super().check_params(params, d_q, d_k, dtype)
+
+    def score(self, query, key, params):
+        return np.tanh(query[..., :, None, :] + key[..., None, :, :]) @ params["v"]
+
+    def _lower(self, query, key, params):
+        return ("additive", None, None, None, params["v"])
+
+    def _lower_backward(self, query, key, params, grads):
+        return grads["query"], grads["key"], {"v": grads["v"]}
+
+    def score_backward(self, query, key, params, grad_scores):
+        dq, dk, dv = _additive_tile_backward(_additive_tanh(query, key), params["v"], grad_scores)
+        return sum_to_shape(dq, query.shape), sum_to_shape(dk, key.shape), {"v": dv}
 
 
 def _precomputed_additive(sim, params, key, wk):

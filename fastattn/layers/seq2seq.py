@@ -412,6 +412,15 @@ class AttentionDecoder(Layer):
         lin_ih = [None] + [F._PackedLinear(W[k][0], W[k][2]) for k in range(1, Lr)]
         lin_t = [F._PackedLinear(wt) for wt in WT]
         scans = [F._SteppedScan(W[k][1], W[k][3], cell, B, T, ct) for k in range(Lr)]
+        # additive scores: the queries' projection s W_q^T + b as this loop's own
+        # product (packed once), the kernel given projected queries and keys;
+        # dW_q and db as one product over all steps after the backward's loop
+        if pre:
+            qsim, qparams, w_q, b_q = psim.split_query_projection(pparams)
+            lin_q = F._PackedLinear(w_q, b_q)
+            lin_qt = F._PackedLinear(np.ascontiguousarray(w_q.T))
+            qin = np.empty((T, B, H), ct)          # each step's query (the top state)
+            qproj = np.empty((T, B, w_q.shape[0]), ct)
         hs = [np.array(st[0][k], dtype=ct) for k in range(Lr)]
         cs = [np.array(st[1][k], dtype=ct) for k in range(Lr)] if lstm else [None] * Lr
         ctxs = np.empty((B, T, D), ct)
@@ -419,7 +428,13 @@ class AttentionDecoder(Layer):
         tape, tops = [], np.empty((B, T, H), ct)
         for t in range(T):
             q = hs[-1][:, None, :]
-            ctx, lse = attend(q)
+            if pre:
+                qin[t] = hs[-1]
+                qproj[t] = lin_q(hs[-1])
+                ctx, lse = F.attention(qproj[t][:, None, :], kp, vals, qsim, params=qparams,
+                                       attn_mask=mask, return_lse=True)
+            else:
+                ctx, lse = attend(q)
             ctxs[:, t] = ctx[:, 0]
             xw = xe[:, t] + lin_c(ctx[:, 0])
             steps = []
@@ -448,6 +463,8 @@ class AttentionDecoder(Layer):
             dXW = [np.empty((B, T, GH), ct) for _ in range(Lr)]
             for sc in scans:
                 sc.start_backward()
+            if pre:
+                dqproj = np.empty_like(qproj)
             for t in reversed(range(T)):
                 q, ctx, lse, steps = tape[t]
                 d_o = dtop[:, t]
@@ -461,7 +478,15 @@ class AttentionDecoder(Layer):
                     if k:
                         d_o = lin_t[k](dxw[:, 0])
                 dctx = lin_t[0](dXW[0][:, t])
-                dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
+                if pre:
+                    dqp, dkp, dm, dp = F.attention_backward(
+                        dctx[:, None, :], qproj[t][:, None, :], kp, vals, qsim, params=qparams,
+                        out=ctx, lse=lse, attn_mask=mask)
+                    self.grads["attn.v"] += dp["v"]
+                    dqproj[t] = dqp[:, 0]
+                    dq = lin_qt(dqp[:, 0])[:, None, :]
+                else:
+                    dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
                 dmem += dm
                 if dkp is not None:   # summed in place (this call's fresh array first)
                     if dkeys is None:
@@ -469,6 +494,12 @@ class AttentionDecoder(Layer):
                     else:
                         dkeys += dkp
                 dh[-1] = dh[-1] + dq[:, 0]
+            if pre:   # the queries' projection over every step at once
+                _, dwq, dbq = F.linear_backward(dqproj.reshape(T * B, -1), qin.reshape(T * B, H),
+                                                w_q, b_q)
+                self.grads["attn.W_q"] += dwq
+                if b_q is not None:
+                    self.grads["attn.b"] += dbq
             # the input projections of every step at once
             gr = rnn.grads
             x0 = np.concatenate([emb, ctxs], axis=-1).reshape(B * T, E + D)
