@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _alloc, _rnn, _threads
+from . import _alloc, _proj, _rnn, _threads
 from ._linear import _dtypes, _matmul, linear, linear_backward
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
@@ -38,6 +38,13 @@ _runtime_done = False
 #: sgemm over all rows 5.8e-7 / 9.8e-7; runs of 64 2.8e-7 / 4.4e-7, of 128
 #: 3.6e-7 / 5.8e-7, from float64-exact dgh)
 DW_CHUNK = 64
+#: the same product on the packed kernel (float32 throughout: each run summed
+#: from zero, the runs added in order in float32) in runs of this many rows:
+#: rms error against the float64 oracle over torch float32 autograd's, GRU
+#: dW_hh, B x T x H = 16x48x64 / 32x64x256 / 32x32x256: runs of 16 1.05 / 1.20 /
+#: 1.13, of 32 1.01 / 1.06 / 1.07 (max error 0.85 / 0.79 / 1.01), of 64 1.08 /
+#: 1.06 / 1.13, of 128 1.29 / 1.20 / 1.32
+DW_PACKED_RUNS = 32
 
 
 def _ensure_runtime():
@@ -233,9 +240,9 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
     ``dc``) recurrence runs in C (csrc/fa_rnn_bwd.c, GIL released): per step
     the gate gradients elementwise (AVX2) and one ``(rows, G*H) x (G*H, H)``
     product for a block of batch rows, the blocks on fastattn's worker pool;
-    the weight gradient is then one GEMM over all steps (float32: runs of
-    ``DW_CHUNK`` rows summed in float64, as accurate as torch's per-step
-    accumulation or better).  Deterministic: the
+    the weight gradient is then one GEMM over all steps (float32: on the
+    packed kernel in runs of ``DW_PACKED_RUNS`` rows, as accurate as torch's
+    per-step accumulation: see there).  Deterministic: the
     row blocks and every summation order are fixed by the shapes, so any
     ``n_threads`` gives the same bits.
     """
@@ -290,13 +297,13 @@ def rnn_scan_backward(grad_outputs, grad_h_n, xw, w_hh, b_hh, h0, outputs, *, ce
                        dxw, dgh, dh, dc, dbb, a.nt)
     db = None if dbb is None else dbb.sum(axis=0).astype(ct)
     # dL/dW_hh = sum over every row and step of dgh^T h_prev: one product over
-    # all B*T rows after the loop, float32 in chunks of DW_CHUNK rows summed in
-    # float64 (short float32 runs, as a per-step autograd's, at a large gemm's
-    # speed; padded steps have zero dgh and a zeroed h_prev)
+    # all B*T rows after the loop, float32 in short runs (as a per-step
+    # autograd's) at a large gemm's speed (_weight_product; padded steps have
+    # zero dgh and a zeroed h_prev)
     if a.lens is not None:
         hprev[np.arange(T)[None, :] >= a.lens[:, None]] = 0
     dg2 = (dxw if dgh is None else dgh).reshape(B * T, GH)
-    dW = _matmul(dg2.T, hprev.reshape(B * T, H), ct, a.nt, kc=DW_CHUNK)
+    dW = _weight_product(dg2, hprev.reshape(B * T, H), ct, a.nt)
     return _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct)
 
 
@@ -312,9 +319,8 @@ class _SteppedScan:
     is packed here once for both directions' products (the calls would pack
     it on every call) and the backward leaves the weight gradients to
     :meth:`weight_grads`, one product over all the steps' rows (as
-    rnn_scan_backward computes them for a whole sequence: runs of
-    :data:`DW_CHUNK` rows summed in float64; dL/db_hh summed in float64 over
-    every step) instead of a product and a float32 sum per step.
+    rnn_scan_backward computes them for a whole sequence, :func:`_weight_product`;
+    dL/db_hh summed in float64 over every step) instead of a product and a float32 sum per step.
 
     Internal: the caller (fastattn.layers.seq2seq) hands arrays of the shapes
     and compute dtype given here, made by itself; ``w_hh`` and ``b_hh`` must
@@ -387,10 +393,27 @@ class _SteppedScan:
     def weight_grads(self):
         """``(dW_hh (G*H, H), db_hh (G*H,) or None)`` over every step's backward."""
         n = self.T * self.B
-        dW = _matmul(self._dg.reshape(n, self.GH).T, self._hp.reshape(n, self.H), self.ct,
-                     self.nt, kc=DW_CHUNK)
+        dW = _weight_product(self._dg.reshape(n, self.GH), self._hp.reshape(n, self.H), self.ct,
+                             self.nt)
         db = None if self._db is None else self._db.sum(axis=0).astype(self.ct)
         return dW, db
+
+
+def _weight_product(dg, hprev, ct, nt):
+    """dL/dW_hh = dg (rows, G*H)ᵀ hprev (rows, H): float32 on the packed
+    projection kernel, dg read transposed block by block, the reduction in runs
+    of :data:`DW_PACKED_RUNS` rows added in order in float32 (2.6 ms where
+    ``_matmul``'s float64-summed runs of :data:`DW_CHUNK` took 6.3, 1024 rows x
+    768 x 256, 2 threads); otherwise ``_matmul`` with those runs.  Either way
+    the same bits for any thread count."""
+    rows, GH = dg.shape
+    H = hprev.shape[1]
+    if ct == _F32 and rows and _proj.packs_transposed(GH, H, rows):
+        out = np.empty((GH, H), ct)
+        _proj.linear(np.ascontiguousarray(dg)[None], np.ascontiguousarray(hprev), None, out[None],
+                     nt, w_transposed=True, runs=DW_PACKED_RUNS, x_transposed=True)
+        return out
+    return _matmul(dg.T, hprev, ct, nt, kc=DW_CHUNK)
 
 
 def _grads_back(dxw, dW, db, dh, dc, xw, w_hh, b_hh, h0, c0, cell, ct):

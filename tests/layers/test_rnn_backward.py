@@ -402,6 +402,33 @@ def test_float32_accuracy_as_torch_float32(cell, rng):
         assert rms(a, r) <= 1.2 * rms(t, r), name
 
 
+@pytest.mark.parametrize("shape", [(32, 32, 256), (32, 64, 256)], ids=["32x32x256", "32x64x256"])
+def test_float32_weight_gradient_as_accurate_as_torch_at_training_sizes(shape):
+    """dW_hh on the packed kernel (runs of DW_PACKED_RUNS rows, float32) at the
+    training benchmark's sizes: rms error <= 1.1x and max error <= 1.25x torch
+    float32 autograd's against the float64 oracle."""
+    Bk, Tk, Hk = shape
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    layer = torch.nn.GRU(Hk, Hk, batch_first=True)
+    x = randn(rng, (Bk, Tk, Hk), np.float32)
+    go = randn(rng, (Bk, Tk, Hk), np.float32)
+    out_t, _ = layer(torch.tensor(x))
+    out_t.backward(torch.tensor(go))
+    Wih, bih = layer.weight_ih_l0.detach().numpy(), layer.bias_ih_l0.detach().numpy()
+    W, b = layer.weight_hh_l0.detach().numpy(), layer.bias_hh_l0.detach().numpy()
+    xw = (x @ Wih.T + bih).astype(np.float32)
+    h0 = np.zeros((Bk, Hk), np.float32)
+    out, _, _, gates = rnn_scan(xw, W, b, h0, cell="gru", return_gates=True)
+    _, dW, _, _, _ = rnn_scan_backward(go, None, xw, W, b, h0, out, cell="gru", gates=gates)
+    ref = R.rnn_scan_backward("GRU", go, None, xw.astype(np.float64), W, b, h0, None, None,
+                              nonlinearity="tanh")[1]
+    t = layer.weight_hh_l0.grad.numpy().astype(np.float64)
+    err, terr = dW.astype(np.float64) - ref, t - ref
+    assert np.sqrt(np.mean(err ** 2)) <= 1.1 * np.sqrt(np.mean(terr ** 2))
+    assert np.abs(err).max() <= 1.25 * np.abs(terr).max()
+
+
 def test_gates_and_return_gates_bad_input(rng):
     xw, W, b, h0, c0 = case(rng, "gru")
     o, _, _ = rnn_scan(xw, W, b, h0, cell="gru")
