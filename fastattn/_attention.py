@@ -868,6 +868,56 @@ def attention_backward(grad_out, query, key, value, similarity="dot", *, params=
     return grads + (_param_grads(c, params, dparams),)
 
 
+class _SteppedAttention:
+    """:func:`attention` (with ``return_lse``) and :func:`attention_backward`
+    of one query shape over one fixed memory, similarity, params and mask, for
+    many calls (AttentionDecoder's training loop: one query a step, forward and
+    backward): the arguments are checked once, here, and each call hands its
+    query to the checked call (as :class:`PreparedAttention` does for its
+    forward) and runs the fused additive kernels, forward and backward, as
+    those functions do -- the same floats.  Fused additive lowerings only (a
+    ``TypeError`` otherwise).  Internal: queries, gradients, outputs and lse of
+    the shapes and compute dtype of the template, made by the caller; key,
+    value, params and mask must not change while it is used."""
+
+    def __init__(self, query, key, value, similarity, params=None, attn_mask=None,
+                 n_threads=None):
+        sim = get_similarity(similarity)
+        self.fwd = _prepare(query, key, value, sim, params, attn_mask, False, False, "top_left",
+                            None, n_threads, return_lse=True)
+        if (_path(self.fwd) != "fused" or isinstance(sim, CompiledSimilarity)
+                or self.fwd.lowered[0] != "additive" or not _has_lower_backward(sim)):
+            raise TypeError(f"similarity {sim.name!r}: expected a fused additive lowering")
+        self.bwd = _prepare(query, key, value, sim, params, attn_mask, False, False, "top_left",
+                            None, n_threads)
+        self.shape, self.cdt = self.fwd.q.shape, self.fwd.p.cdt
+
+    def _with(self, c, q):
+        if q.shape != self.shape or q.dtype != self.cdt:
+            raise ValueError(f"query: expected shape {self.shape} and dtype {self.cdt}, got "
+                             f"{q.shape} {q.dtype}")
+        c = copy.copy(c)
+        c.q = canonical_matrix_stack(q, self.cdt)
+        return c
+
+    def forward(self, q):
+        """``(out, lse)`` as ``attention(q, ..., return_lse=True)``."""
+        return _execute(self._with(self.fwd, q))
+
+    def backward(self, grad_out, q, out, lse):
+        """``(dq, dk, dv, dparams)`` as :func:`attention_backward` (dparams in
+        the similarity's names, the compute dtype)."""
+        c = self._with(self.bwd, q)
+        p = c.p
+        osh = p.batch + (p.Lq, p.dv)
+        for name, a in (("grad_out", grad_out), ("out", out)):
+            if a.shape != osh:
+                raise ValueError(f"{name}: expected shape {osh}, got {a.shape}")
+        g = canonical_matrix_stack(grad_out, self.cdt)
+        o = canonical_matrix_stack(out, self.cdt)
+        return _backward_additive(c, g, o, np.asarray(lse, dtype=self.cdt))
+
+
 def _param_grads(c, params, dparams):
     """dparams with the keys of the checked params, each in its parameter's
     shape and dtype (the compute dtype for a non-float or defaulted one)."""

@@ -19,6 +19,7 @@ op from its own private module (``_sdpa``, ``_attention``, ``_multihead``,
 ``_linear``, ``_embedding``, ``_recurrence``, ``_norm``; see ``docs/architecture.md``).
 """
 from ._attention import PreparedAttention, attention, attention_backward
+from ._attention import _SteppedAttention  # AttentionDecoder's training loop
 from ._embedding import embedding, embedding_backward
 from ._embedding import accumulate_backward as _embedding_backward_into  # the layers' in-place form
 from ._linear import linear, linear_backward

@@ -421,6 +421,8 @@ class AttentionDecoder(Layer):
             lin_qt = F._PackedLinear(np.ascontiguousarray(w_q.T))
             qin = np.empty((T, B, H), ct)          # each step's query (the top state)
             qproj = np.empty((T, B, w_q.shape[0]), ct)
+            steps_attn = F._SteppedAttention(qproj[0][:, None, :], kp, vals, qsim, params=qparams,
+                                             attn_mask=mask)
         hs = [np.array(st[0][k], dtype=ct) for k in range(Lr)]
         cs = [np.array(st[1][k], dtype=ct) for k in range(Lr)] if lstm else [None] * Lr
         ctxs = np.empty((B, T, D), ct)
@@ -431,8 +433,7 @@ class AttentionDecoder(Layer):
             if pre:
                 qin[t] = hs[-1]
                 qproj[t] = lin_q(hs[-1])
-                ctx, lse = F.attention(qproj[t][:, None, :], kp, vals, qsim, params=qparams,
-                                       attn_mask=mask, return_lse=True)
+                ctx, lse = steps_attn.forward(qproj[t][:, None, :])
             else:
                 ctx, lse = attend(q)
             ctxs[:, t] = ctx[:, 0]
@@ -479,9 +480,8 @@ class AttentionDecoder(Layer):
                         d_o = lin_t[k](dxw[:, 0])
                 dctx = lin_t[0](dXW[0][:, t])
                 if pre:
-                    dqp, dkp, dm, dp = F.attention_backward(
-                        dctx[:, None, :], qproj[t][:, None, :], kp, vals, qsim, params=qparams,
-                        out=ctx, lse=lse, attn_mask=mask)
+                    dqp, dkp, dm, dp = steps_attn.backward(dctx[:, None, :], qproj[t][:, None, :],
+                                                           ctx, lse)
                     self.grads["attn.v"] += dp["v"]
                     dqproj[t] = dqp[:, 0]
                     dq = lin_qt(dqp[:, 0])[:, None, :]

@@ -89,3 +89,36 @@ def test_checks_and_no_copy_of_a_read_only_v(rng):
         attention(randn(rng, (2, 4, wq.shape[0] + 1)), kp, k, qsim, params=qparams)
     assert _attention.attention_path(randn(rng, (2, 4, wq.shape[0])), kp, k, qsim,
                                      params=qparams) != "tiled"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_stepped_attention_is_attention_and_its_backward_bitwise(dtype, rng):
+    """functional._SteppedAttention (the arguments checked once for many
+    one-step calls) gives attention's and attention_backward's floats."""
+    from fastattn import functional as F
+    dt = np.dtype(dtype)
+    B, S = 8, 40
+    k = randn(rng, (B, S, 5), dt)
+    v = randn(rng, (B, S, 4), dt)
+    mask = np.ones((B, 1, S), bool)
+    mask[::3, :, 25:] = False
+    _, params, _, _ = make_case("additive", dt, 6, 5, rng)
+    _, _, kp, qsim, qparams, wq, b = _split(params, k, dt)
+    A = wq.shape[0]
+    st = F._SteppedAttention(np.zeros((B, 1, A), dt), kp, v, qsim, params=qparams, attn_mask=mask)
+    for _ in range(3):
+        qp = randn(rng, (B, 1, A), dt)
+        out, lse = st.forward(qp)
+        eo, el = attention(qp, kp, v, qsim, params=qparams, attn_mask=mask, return_lse=True)
+        assert np.array_equal(out, eo) and np.array_equal(lse, el)
+        g = randn(rng, out.shape, dt)
+        got = st.backward(g, qp, out, lse)
+        exp = attention_backward(g, qp, kp, v, qsim, params=qparams, out=eo, lse=el,
+                                 attn_mask=mask)
+        for a, e in zip(got[:3], exp[:3]):
+            assert a.dtype == dt and np.array_equal(a, e)
+        assert np.array_equal(got[3]["v"], exp[3]["v"])
+    with pytest.raises(ValueError, match="query"):
+        st.forward(randn(rng, (B, 2, A), dt))
+    with pytest.raises(TypeError, match="fused additive"):
+        F._SteppedAttention(np.zeros((B, 1, 5), dt), k, v, "dot")
