@@ -67,6 +67,8 @@ cdef extern from "fastattn.h" nogil:
     double fa_fma_probe(int64_t n, float *sink)
     int fa_pool_workers()
     int64_t fa_pool_last_helped()
+    int64_t fa_pool_set_worker_spin(int64_t ns)
+    int fa_pool_hold(int delta)
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
     int fa_simd_level()
@@ -126,6 +128,19 @@ def set_blas_threads_hook(uintptr_t address):
 def pool_workers():
     """Worker threads alive in the kernels' pool."""
     return fa_pool_workers()
+
+
+def pool_worker_spin(int64_t ns=-1):
+    """How long (ns) an idle pool worker spins for the next call before it
+    sleeps; ``ns`` >= 0 sets it.  Returns the previous value."""
+    return fa_pool_set_worker_spin(ns)
+
+
+def pool_hold(int delta):
+    """Open (1) or close (-1) a hold on the pool's workers: while one is open,
+    idle workers spin longer for the next call (a layer's many small calls).
+    Returns the holds now open (``pool_hold(0)``: just that)."""
+    return fa_pool_hold(delta)
 
 
 def pool_last_helped():

@@ -325,12 +325,46 @@ def test_pool_workers_sleep_after_a_call(rng):
     q, k, v = randn(rng, (4, 64, 32)), randn(rng, (4, 200, 32)), randn(rng, (4, 200, 32))
     sdpa(q, k, v, n_threads=2)
     assert fastattn._kernels.pool_workers() >= 1
-    time.sleep(0.2)  # ours spin for at most 50 us (OpenBLAS pools elsewhere: ~0.1 s)
+    time.sleep(0.2)  # ours spin for at most 50 us, 500 us inside a layer call (OpenBLAS pools elsewhere: ~0.1 s)
     c0, t0 = time.process_time(), time.perf_counter()
     time.sleep(0.3)
     used = time.process_time() - c0
     # an idle process: well under one busy core over the interval
     assert used < 0.5 * (time.perf_counter() - t0)
+
+
+def test_layer_calls_hold_the_pool_only_while_they_run(rng):
+    """A layer call (and the backprop it returns) opens a hold on the pool's
+    workers (they spin longer between its kernels) and closes it on return,
+    also when it raises; afterwards the workers sleep as after any call."""
+    import time
+
+    from fastattn import _kernels, layers
+
+    assert _kernels.pool_hold(0) == 0
+    seen = []
+    real = fastattn._alloc._hold
+
+    def spy(delta):
+        seen.append(delta)
+        return real(delta)
+
+    m = layers.MultiHeadAttention(32, 4, seed=0)
+    x = randn(rng, (4, 64, 32), np.float32)
+    fastattn._alloc._hold = spy
+    try:
+        out, back = m.forward_backward(x)
+        back(np.ones_like(out))
+        with pytest.raises(ValueError):
+            m(randn(rng, (4, 64, 31), np.float32))
+    finally:
+        fastattn._alloc._hold = real
+    assert seen and sum(seen) == 0 and seen.count(1) == seen.count(-1)
+    assert _kernels.pool_hold(0) == 0
+    time.sleep(0.2)
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(0.3)
+    assert time.process_time() - c0 < 0.5 * (time.perf_counter() - t0)
 
 
 def test_first_parallel_call_gets_its_worker():
