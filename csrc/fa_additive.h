@@ -107,6 +107,7 @@ typedef struct {
     int64_t ngroups;
     double *dq_part;
     double *dvec_part;
+    int accumulate;     /* 1: dk and dv are added to (each element += its float), not written */
 } fa_additive_bwd_args;
 
 int fa_additive_bwd_f32(fa_additive_bwd_args *a);

@@ -173,6 +173,7 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
         ? (const REAL *)f->mask + FN(boff)(f, f->m_bs, b) : NULL;
     REAL *dKo = (REAL *)a->dk + FN(boff)(f, a->dk_bs, b);
     REAL *dVo = (REAL *)a->dv + FN(boff)(f, a->dv_bs, b);
+    const int acc = a->accumulate;   /* add to dk and dv instead of writing them */
 
     for (int64_t jb = j->gstart[g]; jb < j->gstart[g + 1]; jb++) {
         const int64_t j0 = jb * bk;
@@ -263,9 +264,18 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
                 for (int64_t r = 0; r < n; r++) {
                     REAL *dk = dKo + (j0 + r) * a->lddk;
                     const REAL *tk = dKt + r * d;
-                    for (int64_t c = 0; c < d; c++)
-                        dk[c] = (REAL)((double)vv[c] * (double)tk[c]);
-                    memcpy(dVo + (j0 + r) * a->lddv, Tmp + r * dv, (size_t)dv * sizeof(REAL));
+                    REAL *dvo = dVo + (j0 + r) * a->lddv;
+                    const REAL *tv = Tmp + r * dv;
+                    if (acc) {
+                        for (int64_t c = 0; c < d; c++)
+                            dk[c] += (REAL)((double)vv[c] * (double)tk[c]);
+                        for (int64_t c = 0; c < dv; c++)
+                            dvo[c] += tv[c];
+                    } else {
+                        for (int64_t c = 0; c < d; c++)
+                            dk[c] = (REAL)((double)vv[c] * (double)tk[c]);
+                        memcpy(dvo, tv, (size_t)dv * sizeof(REAL));
+                    }
                 }
                 written = 1;
                 continue;
@@ -276,7 +286,7 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
                 accV[x] += (double)Tmp[x];
         }
         if (single) {
-            if (!written)   /* no query sees these keys: v times zero sums, zero dV */
+            if (!written && !acc)   /* no query sees these keys: v times zero sums, zero dV */
                 for (int64_t r = 0; r < n; r++) {
                     REAL *dk = dKo + (j0 + r) * a->lddk;
                     for (int64_t c = 0; c < d; c++)
@@ -288,12 +298,19 @@ static void FN(ab_group_task)(void *ctx, int64_t t, int slot)
         for (int64_t r = 0; r < n; r++) {
             REAL *dk = dKo + (j0 + r) * a->lddk;
             const double *ak = accK + r * d;
-            for (int64_t c = 0; c < d; c++)
-                dk[c] = (REAL)((double)vv[c] * ak[c]);
             REAL *dvo = dVo + (j0 + r) * a->lddv;
             const double *av = accV + r * dv;
-            for (int64_t c = 0; c < dv; c++)
-                dvo[c] = (REAL)av[c];
+            if (acc) {
+                for (int64_t c = 0; c < d; c++)
+                    dk[c] += (REAL)((double)vv[c] * ak[c]);
+                for (int64_t c = 0; c < dv; c++)
+                    dvo[c] += (REAL)av[c];
+            } else {
+                for (int64_t c = 0; c < d; c++)
+                    dk[c] = (REAL)((double)vv[c] * ak[c]);
+                for (int64_t c = 0; c < dv; c++)
+                    dvo[c] = (REAL)av[c];
+            }
         }
     }
 }

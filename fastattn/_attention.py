@@ -891,6 +891,16 @@ class _SteppedAttention:
         self.bwd = _prepare(query, key, value, sim, params, attn_mask, False, False, "top_left",
                             None, n_threads)
         self.shape, self.cdt = self.fwd.q.shape, self.fwd.p.cdt
+        _, wq, wk, _, vvec = self.fwd.lowered
+        self.d_a = vvec.shape[0]
+        p = self.bwd.p
+        # the keys' and values' gradients summed over backward calls in the
+        # kernel (projected keys, unbroadcast batch only: accumulate=True)
+        self._acc = None
+        if wk is None and tuple(self.bwd.k.shape[:-1]) == tuple(p.batch) + (p.Lk,) and \
+                tuple(p.v.shape[:-1]) == tuple(p.batch) + (p.Lk,):
+            self._acc = (np.zeros(p.batch + (p.Lk, _pad(self.d_a)), self.cdt),
+                         np.zeros(p.batch + (p.Lk, p.dv), self.cdt))
 
     def _with(self, c, q):
         if q.shape != self.shape or q.dtype != self.cdt:
@@ -904,9 +914,23 @@ class _SteppedAttention:
         """``(out, lse)`` as ``attention(q, ..., return_lse=True)``."""
         return _execute(self._with(self.fwd, q))
 
-    def backward(self, grad_out, q, out, lse):
+    def start_accumulating(self):
+        """Zero the sums that :meth:`backward` with ``accumulate`` adds to."""
+        if self._acc is None:
+            raise TypeError("accumulate: needs projected keys (no W_k) and an unbroadcast batch")
+        for a in self._acc:
+            a[...] = 0
+
+    def accumulated(self):
+        """``(dk, dv)``: the sums of the ``accumulate`` backward calls since
+        :meth:`start_accumulating` (dk a view of the kernel's padded layout)."""
+        return self._acc[0][..., :self.d_a], self._acc[1]
+
+    def backward(self, grad_out, q, out, lse, accumulate=False):
         """``(dq, dk, dv, dparams)`` as :func:`attention_backward` (dparams in
-        the similarity's names, the compute dtype)."""
+        the similarity's names, the compute dtype).  ``accumulate``: dk and dv
+        are added by the kernel to :meth:`accumulated`'s sums (the same floats
+        as adding the returned arrays) and returned as None."""
         c = self._with(self.bwd, q)
         p = c.p
         osh = p.batch + (p.Lq, p.dv)
@@ -915,7 +939,10 @@ class _SteppedAttention:
                 raise ValueError(f"{name}: expected shape {osh}, got {a.shape}")
         g = canonical_matrix_stack(grad_out, self.cdt)
         o = canonical_matrix_stack(out, self.cdt)
-        return _backward_additive(c, g, o, np.asarray(lse, dtype=self.cdt))
+        if accumulate and self._acc is None:
+            self.start_accumulating()   # raises
+        return _backward_additive(c, g, o, np.asarray(lse, dtype=self.cdt),
+                                  self._acc if accumulate else None)
 
 
 def _param_grads(c, params, dparams):
@@ -992,14 +1019,16 @@ def _additive_bwd_plan(p, d):
     return bq, bk, ng, nt
 
 
-def _backward_additive(c, g, o, ls):
+def _backward_additive(c, g, o, ls, acc=None):
     """``additive`` / ``concat``: the fused C backward (csrc/fa_additive_bwd_impl.h)
     over the projections qp = q W_q^T + b and kp = k W_k^T (computed once, as
     the forward does, zero-padded to a multiple of PAD features): it recomputes
     the tanh tiles and returns the gradients of qp, kp, the v vector and the
     values; the weight gradients afterwards, as a few products over all rows.
     The NumPy tiled backward (:func:`_backward_additive_tiled`) only runs while
-    the extension is not built."""
+    the extension is not built.  ``acc`` (:class:`_SteppedAttention`): ``(dkp,
+    dv)`` accumulators of the kernel's padded layout that the kernel adds the
+    keys' and values' gradients to; dk and dv are then returned as None."""
     if _scores is None:  # pragma: no cover - only while the extension is not built
         return _backward_additive_tiled(c, g, o, ls)
     _, wq, wk, b, vvec = c.lowered
@@ -1022,8 +1051,11 @@ def _backward_additive(c, g, o, ls):
             ls = np.array(ls, dtype=cdt, order="C")
         bq, bk, ng, nt = _additive_bwd_plan(p, dp)
         dqp = np.empty(p.batch + (p.Lq, dp), cdt)
-        dkp = np.empty(p.batch + (p.Lk, dp), cdt)
-        dv = np.empty(p.batch + (p.Lk, p.dv), cdt)
+        if acc is None:
+            dkp = np.empty(p.batch + (p.Lk, dp), cdt)
+            dv = np.empty(p.batch + (p.Lk, p.dv), cdt)
+        else:
+            dkp, dv = acc
         dvec = np.empty(dp, np.float64)
         delta = np.empty(nb * p.Lq, np.float64)
         part = np.empty(ng * nb * p.Lq * dp, np.float64)
@@ -1031,7 +1063,8 @@ def _backward_additive(c, g, o, ls):
         _scores.sync_simd(_kernels.simd_level())
         rc = _scores.additive_backward(qp, kp, vpad, p.v, o, g, ls[..., None], p.mask,
                                        p.mask_kind, dqp, dkp, dv, dvec, delta, part, vpart,
-                                       p.batch, p.causal, p.causal_offset, bq, bk, nt, ng)
+                                       p.batch, p.causal, p.causal_offset, bq, bk, nt, ng,
+                                       acc is not None)
         if rc:
             _raise_kernel(rc, 0, c.sim, c)
     else:  # no output element depends on anything: zeros
@@ -1040,6 +1073,10 @@ def _backward_additive(c, g, o, ls):
         dv = np.zeros(p.batch + (p.Lk, p.dv), cdt)
         dvec = np.zeros(dp, np.float64)
     dqp = sum_to_shape(dqp[..., :d_a], c.q.shape[:-1] + (d_a,))
+    if acc is not None:   # the keys' and values' gradients went into the accumulators
+        grads = _additive_grads(c.q, None, wq, None, dqp, None, dvec[:d_a].astype(cdt), p.n_threads)
+        dq, _, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)
+        return dq, None, None, dparams
     dkp = sum_to_shape(dkp[..., :d_a], c.k.shape[:-1] + (d_a,))
     grads = _additive_grads(c.q, c.k, wq, wk, dqp, dkp, dvec[:d_a].astype(cdt), p.n_threads)
     dq, dk, dparams = c.sim._lower_backward(c.q, c.k, c.params, grads)

@@ -271,6 +271,18 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     shapes: the same bits for any ``n_threads`` (default
     :func:`fastattn.get_num_threads`).
     """
+    return _linear_backward(grad_out, x, weight, bias, n_threads, True)
+
+
+def _linear_weight_grads(grad_out, x, weight, bias=None, *, n_threads=None):
+    """:func:`linear_backward`'s ``(dweight, dbias)`` alone, the same floats,
+    without the product for dx (AttentionDecoder's query projection, whose dx
+    it computes step by step).  Internal."""
+    _, dw, db = _linear_backward(grad_out, x, weight, bias, n_threads, False)
+    return dw, db
+
+
+def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
     x, w, b, cdt, _ = _check_args(x, weight, bias)
     nt = _threads.resolve(n_threads)
     N, K = w.shape
@@ -290,13 +302,15 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
     else:
         _ensure_runtime()
         ga, gt = _operand(g2, cdt)
-        dx = np.empty((rows, K), cdt)
+        dx = np.empty((rows, K), cdt) if need_dx else None
         dw = np.empty((N, K), cdt)
         packed_dx = cdt == _F32 and _proj.packs_transposed(rows, K, N)
         packed_dw = cdt == _F32 and _proj.packs_transposed(N, K, rows)
         if packed_dx or packed_dw:   # float32 on the packed projection kernel
             g32 = np.ascontiguousarray(g2, dtype=cdt)
-        if packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
+        if not need_dx:
+            dx = None
+        elif packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
             _packed_product(g32, np.ascontiguousarray(w, dtype=cdt), dx, nt)
         else:
             wa, wt = _operand(w, cdt)
@@ -306,7 +320,8 @@ def linear_backward(grad_out, x, weight, bias=None, *, n_threads=None):
         else:
             xa, xt = _operand(x2, cdt)
             _proj.matmul(ga, not gt, xa, xt, dw, nt)    # (N, rows) @ (rows, K)
-    dx = dx.reshape(x.shape).astype(grad_dtype(x, cdt), copy=False)
+    if dx is not None:
+        dx = dx.reshape(x.shape).astype(grad_dtype(x, cdt), copy=False)
     dw = dw.astype(grad_dtype(w, cdt), copy=False)
     db = None
     if b is not None:

@@ -74,6 +74,7 @@ cdef extern from "fa_additive.h" nogil:
         int64_t ngroups
         double *dq_part
         double *dvec_part
+        int accumulate
     int fa_additive_bwd_f32(fa_additive_bwd_args *a)
     int fa_additive_bwd_f64(fa_additive_bwd_args *a)
     int FA_BWD_MAX_GROUPS
@@ -326,7 +327,7 @@ def additive_backward(cnp.ndarray qp, cnp.ndarray kp, cnp.ndarray vvec, cnp.ndar
                       cnp.ndarray dvec, cnp.ndarray delta, cnp.ndarray dq_part,
                       cnp.ndarray dvec_part, tuple batch_shape, bint causal,
                       int64_t causal_offset, int64_t block_q, int64_t block_k, int n_threads,
-                      int64_t ngroups):
+                      int64_t ngroups, bint accumulate=False):
     """Run the fused additive backward (csrc/fa_additive.h, fa_additive_bwd_args).
     Returns the C status code.
 
@@ -376,6 +377,7 @@ def additive_backward(cnp.ndarray qp, cnp.ndarray kp, cnp.ndarray vvec, cnp.ndar
     a.ngroups = ngroups
     a.dq_part = <double *>cnp.PyArray_DATA(dq_part)
     a.dvec_part = <double *>cnp.PyArray_DATA(dvec_part)
+    a.accumulate = 1 if accumulate else 0
     a.f.stop = interrupt_arm(&intr, _main_ident)
     a.f.stop_ctx = &intr if a.f.stop != NULL else NULL
     with nogil:

@@ -466,6 +466,7 @@ class AttentionDecoder(Layer):
                 sc.start_backward()
             if pre:
                 dqproj = np.empty_like(qproj)
+                steps_attn.start_accumulating()   # dkeys and dmem summed by the kernel
             for t in reversed(range(T)):
                 q, ctx, lse, steps = tape[t]
                 d_o = dtop[:, t]
@@ -480,23 +481,25 @@ class AttentionDecoder(Layer):
                         d_o = lin_t[k](dxw[:, 0])
                 dctx = lin_t[0](dXW[0][:, t])
                 if pre:
-                    dqp, dkp, dm, dp = steps_attn.backward(dctx[:, None, :], qproj[t][:, None, :],
-                                                           ctx, lse)
+                    dqp, _, _, dp = steps_attn.backward(dctx[:, None, :], qproj[t][:, None, :],
+                                                        ctx, lse, accumulate=True)
                     self.grads["attn.v"] += dp["v"]
                     dqproj[t] = dqp[:, 0]
                     dq = lin_qt(dqp[:, 0])[:, None, :]
                 else:
                     dq, dm, dkp = attend_backward(dctx[:, None, :], q, ctx, lse)
-                dmem += dm
-                if dkp is not None:   # summed in place (this call's fresh array first)
-                    if dkeys is None:
-                        dkeys = dkp
-                    else:
-                        dkeys += dkp
+                    dmem += dm
+                    if dkp is not None:   # summed in place (this call's fresh array first)
+                        if dkeys is None:
+                            dkeys = dkp
+                        else:
+                            dkeys += dkp
                 dh[-1] = dh[-1] + dq[:, 0]
             if pre:   # the queries' projection over every step at once
-                _, dwq, dbq = F.linear_backward(dqproj.reshape(T * B, -1), qin.reshape(T * B, H),
-                                                w_q, b_q)
+                dkeys, dm = steps_attn.accumulated()
+                dmem += dm
+                dwq, dbq = F._linear_weight_grads(dqproj.reshape(T * B, -1), qin.reshape(T * B, H),
+                                                  w_q, b_q)
                 self.grads["attn.W_q"] += dwq
                 if b_q is not None:
                     self.grads["attn.b"] += dbq

@@ -118,7 +118,37 @@ def test_stepped_attention_is_attention_and_its_backward_bitwise(dtype, rng):
         for a, e in zip(got[:3], exp[:3]):
             assert a.dtype == dt and np.array_equal(a, e)
         assert np.array_equal(got[3]["v"], exp[3]["v"])
+    # accumulate: the kernel adds dk and dv to its sums, the same floats as adding
+    # the returned arrays call after call (in order, from zeros)
+    st.start_accumulating()
+    sk, sv = np.zeros(kp.shape, dt), np.zeros(v.shape, dt)
+    for _ in range(3):
+        qp = randn(rng, (B, 1, A), dt)
+        out, lse = st.forward(qp)
+        g = randn(rng, out.shape, dt)
+        dq, dk, dv, dp = st.backward(g, qp, out, lse)
+        aq, ak, av, ap = st.backward(g, qp, out, lse, accumulate=True)
+        assert ak is None and av is None
+        assert np.array_equal(aq, dq) and np.array_equal(ap["v"], dp["v"])
+        sk += dk
+        sv += dv
+    gk, gv = st.accumulated()
+    assert np.array_equal(gk, sk) and np.array_equal(gv, sv)
+    st.start_accumulating()
+    assert not st.accumulated()[0].any() and not st.accumulated()[1].any()
     with pytest.raises(ValueError, match="query"):
         st.forward(randn(rng, (B, 2, A), dt))
     with pytest.raises(TypeError, match="fused additive"):
         F._SteppedAttention(np.zeros((B, 1, 5), dt), k, v, "dot")
+
+
+@pytest.mark.parametrize("rows", [8, 1024])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_linear_weight_grads_are_linear_backwards(rows, dtype, rng):
+    from fastattn import functional as F
+    dt = np.dtype(dtype)
+    g, x = randn(rng, (rows, 48), dt), randn(rng, (rows, 40), dt)
+    w, b = randn(rng, (48, 40), dt), randn(rng, (48,), dt)
+    _, dw, db = F.linear_backward(g, x, w, b)
+    gw, gb = F._linear_weight_grads(g, x, w, b)
+    assert np.array_equal(gw, dw) and np.array_equal(gb, db)
