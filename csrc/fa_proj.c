@@ -375,7 +375,7 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
     __m512 a[U][R][2];                                                                     \
     const __mmask16 m0 = pk_mask16(rem), m1 = pk_mask16(rem - 16);                         \
     const float *bq = bp + pstride;                                                        \
-    _Pragma("GCC unroll 8")                                                                \
+    _Pragma("GCC unroll 12")                                                                \
     for (int r = 0; r < R; r++) {                                                          \
         const float *src = first ? bias : NULL;                                            \
         __m512 b0 = _mm512_setzero_ps(), b1 = b0;                                          \
@@ -394,7 +394,7 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
         for (int u = 0; u < U; u++) {                                                      \
             const __m512 v0 = _mm512_loadu_ps(bp + (p + u) * 16);                          \
             const __m512 v1 = _mm512_loadu_ps(bq + (p + u) * 16);                          \
-            _Pragma("GCC unroll 8")                                                        \
+            _Pragma("GCC unroll 12")                                                        \
             for (int r = 0; r < R; r++) {                                                  \
                 const __m512 xv = _mm512_set1_ps(x[r * ldx + p + u]);                      \
                 a[u][r][0] = _mm512_fmadd_ps(xv, v0, a[u][r][0]);                          \
@@ -404,14 +404,14 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
     }                                                                                      \
     for (; p < kc; p++) {                                                                  \
         const __m512 v0 = _mm512_loadu_ps(bp + p * 16), v1 = _mm512_loadu_ps(bq + p * 16); \
-        _Pragma("GCC unroll 8")                                                            \
+        _Pragma("GCC unroll 12")                                                            \
         for (int r = 0; r < R; r++) {                                                      \
             const __m512 xv = _mm512_set1_ps(x[r * ldx + p]);                              \
             a[0][r][0] = _mm512_fmadd_ps(xv, v0, a[0][r][0]);                              \
             a[0][r][1] = _mm512_fmadd_ps(xv, v1, a[0][r][1]);                              \
         }                                                                                  \
     }                                                                                      \
-    _Pragma("GCC unroll 8")                                                                \
+    _Pragma("GCC unroll 12")                                                                \
     for (int r = 0; r < R; r++) {                                                          \
         float *yr = y + r * ldy;                                                           \
         __m512 s0, s1;                                                                     \
@@ -444,31 +444,39 @@ PKZ_KERNEL(5, 1)
 PKZ_KERNEL(6, 1)
 PKZ_KERNEL(7, 1)
 PKZ_KERNEL(8, 1)
+PKZ_KERNEL(9, 1)
+PKZ_KERNEL(10, 1)
+PKZ_KERNEL(11, 1)
+PKZ_KERNEL(12, 1)
 #undef PKZ_KERNEL
 
 typedef void (*pkz_fn)(int64_t, const float *, int64_t, const float *, int64_t, float *,
                        int64_t, const float *, int, int);
-static const pkz_fn pkz_rows[9] = {NULL, pkz_1, pkz_2, pkz_3, pkz_4, pkz_5, pkz_6, pkz_7, pkz_8};
+static const pkz_fn pkz_rows[13] = {NULL, pkz_1, pkz_2, pkz_3, pkz_4, pkz_5, pkz_6, pkz_7,
+                                    pkz_8, pkz_9, pkz_10, pkz_11, pkz_12};
+/* the tallest 512-bit row block (8..12; fa_proj_packed_tune_rows) */
+static int g_pkz_max = 12;
 
-/* Row blocks of the 512-bit path: up to 8 rows (16 of the 32 registers as
- * accumulators) where the 256-bit path takes up to 6, with the same floats.
+/* Row blocks of the 512-bit path: up to 12 rows (24 of the 32 registers as
+ * accumulators; g_pkz_max, 8 before) where the 256-bit path takes up to 6, with the same floats.
  * Blocks of four rows or more sum each output in one chain (U = 1) whatever
  * their height; the 256-bit policy (6-row blocks, then 4 + 4, 4 + 3, ...)
  * leaves a block of 1-3 rows (U > 1) exactly for the last 3 rows when m % 6
  * is 1 or 3, or a whole m < 3, so those rows go to a block of the same height
- * here and everything before them into blocks of 4-8 (checked for every m up
- * to 400 by simulating both policies). */
+ * here and everything before them into blocks of 4-12 (checked for every m up
+ * to 400 by simulating both policies; test_dispatch compares the paths). */
 static int pkz_row_block(int64_t left, int64_t m)
 {
     const int64_t tail = m < 3 ? m : (m % 6 == 1 || m % 6 == 3) ? 3 : 0;
     const int64_t big = left - tail;   /* rows before the tail, all in U = 1 blocks */
+    const int64_t mx = g_pkz_max;
     if (big <= 0)
         return (int)left;
-    if (big == 8 || big >= 12)
-        return 8;
-    if (big > 8)   /* 9-11: two blocks of 4-6 */
-        return (int)(big - 4 < 6 ? big - 4 : 6);
-    return (int)big;   /* 4-7 */
+    if (big >= mx + 4)
+        return (int)mx;
+    if (big > mx)   /* two blocks, the second of 4 */
+        return (int)(big - 4);
+    return (int)big;   /* 4..mx */
 }
 
 static int cpu_has_avx512f(void)
@@ -673,6 +681,15 @@ void fa_proj_pack_t_panels_f32(int64_t p_begin, int64_t p_end, int64_t n, int64_
 int fa_proj_packed_available(void)
 {
     return fa_proj_small_available();
+}
+
+void fa_proj_packed_tune_rows(int rows)
+{
+#ifdef FA_PROJ_AVX2
+    g_pkz_max = rows < 8 ? 8 : rows > 12 ? 12 : rows;
+#else
+    (void)rows;
+#endif
 }
 
 void fa_proj_packed_tune(int64_t kc, int64_t mc)

@@ -95,5 +95,8 @@ int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt,
 #define FA_PROJ_PACKED_MC 96
 #endif
 void fa_proj_packed_tune(int64_t kc, int64_t mc);
+/* The tallest row block of the 512-bit packed kernel, 8..12 (default 12;
+ * the same floats for any: tuning A/B runs). */
+void fa_proj_packed_tune_rows(int rows);
 
 #endif

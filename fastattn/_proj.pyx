@@ -79,6 +79,7 @@ cdef extern from "fa_proj.h" nogil:
                                    const float *bt, int64_t ldb, float *wp)
     int fa_proj_packed_available()
     void fa_proj_packed_tune(int64_t kc, int64_t mc)
+    void fa_proj_packed_tune_rows(int rows)
     int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                                 const float *wp, int64_t c0, const float *b, float *y,
                                 int64_t ldy, int wide, int64_t runs)
@@ -150,25 +151,33 @@ DEF MAX_BLOCK_FLOPS = 1000000000.0
 
 cdef int64_t g_packed_kc = FA_PROJ_PACKED_KC
 cdef int64_t g_packed_mc = FA_PROJ_PACKED_MC
+cdef int g_packed_rows = 12
 
 
 def set_tuning(blocks_per_thread=None, min_block_rows=None, min_block_cols=None, small_m=None,
                packed_m=None, packed_kc=None, packed_mc=None, pack_min_rows=None,
-               pack_max_elems=None, mm_tile=None, mm_ksplit=None):
+               pack_max_elems=None, mm_tile=None, mm_ksplit=None, packed_rows=None):
     """Change the blocking parameters (for tuning sweeps); returns the previous ones as a dict.
 
     ``packed_kc`` / ``packed_mc``: csrc/fa_proj.c's cache blocking of the
     packed kernel (0: no split); process-wide, set them only with no call running.
+    ``packed_rows``: the tallest row block of the packed kernel's 512-bit path
+    (8..12; the same floats for any).
     ``mm_tile``: :func:`matmul`'s tile size (at least 64; its results' bits depend on it).
     ``mm_ksplit``: False turns off :func:`matmul`'s split reduction (:func:`matmul_kpart`;
     the bits depend on it too).
     """
     global g_blocks_per_thread, g_min_block_rows, g_min_block_cols, g_small_m, g_packed_m
     global g_packed_kc, g_packed_mc, g_pack_min_rows, g_pack_max_elems, g_mm_tile, g_mm_ksplit
+    global g_packed_rows
     prev = dict(blocks_per_thread=g_blocks_per_thread, min_block_rows=g_min_block_rows,
                 min_block_cols=g_min_block_cols, small_m=g_small_m, packed_m=g_packed_m,
                 packed_kc=g_packed_kc, packed_mc=g_packed_mc, pack_min_rows=g_pack_min_rows,
-                pack_max_elems=g_pack_max_elems, mm_tile=g_mm_tile, mm_ksplit=bool(g_mm_ksplit))
+                pack_max_elems=g_pack_max_elems, mm_tile=g_mm_tile, mm_ksplit=bool(g_mm_ksplit),
+                packed_rows=g_packed_rows)
+    if packed_rows is not None:
+        g_packed_rows = min(12, max(8, int(packed_rows)))
+        fa_proj_packed_tune_rows(g_packed_rows)
     if mm_ksplit is not None:
         g_mm_ksplit = 1 if mm_ksplit else 0
     if mm_tile is not None:
