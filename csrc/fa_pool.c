@@ -41,8 +41,6 @@ typedef struct {
 } fa_job;
 
 static int64_t g_last_helped = 0; /* atomic */
-/* the idle workers' spin (ns), FA_WORKER_SPIN_NS until set; atomic */
-static int64_t g_worker_spin_ns = FA_WORKER_SPIN_NS;
 /* open holds (fa_pool_hold); atomic */
 static int g_holds = 0;
 
@@ -98,7 +96,7 @@ static void *worker_main(void *unused)
         while (__atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen) {
             const int64_t lim = __atomic_load_n(&g_holds, __ATOMIC_RELAXED) > 0
                                     ? FA_WORKER_HELD_SPIN_NS
-                                    : __atomic_load_n(&g_worker_spin_ns, __ATOMIC_RELAXED);
+                                    : FA_WORKER_SPIN_NS;
             if (now_ns() - start >= lim)
                 break;
             for (int i = 0; i < 64; i++)
@@ -176,14 +174,6 @@ int fa_pool_workers(void)
 int fa_pool_hold(int delta)
 {
     return __atomic_add_fetch(&g_holds, delta, __ATOMIC_RELAXED);
-}
-
-int64_t fa_pool_set_worker_spin(int64_t ns)
-{
-    int64_t prev = __atomic_load_n(&g_worker_spin_ns, __ATOMIC_RELAXED);
-    if (ns >= 0)
-        __atomic_store_n(&g_worker_spin_ns, ns, __ATOMIC_RELAXED);
-    return prev;
 }
 
 int64_t fa_pool_last_helped(void) { return __atomic_load_n(&g_last_helped, __ATOMIC_RELAXED); }

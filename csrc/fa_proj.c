@@ -375,7 +375,7 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
     __m512 a[U][R][2];                                                                     \
     const __mmask16 m0 = pk_mask16(rem), m1 = pk_mask16(rem - 16);                         \
     const float *bq = bp + pstride;                                                        \
-    _Pragma("GCC unroll 12")                                                                \
+    _Pragma("GCC unroll 12")                                                               \
     for (int r = 0; r < R; r++) {                                                          \
         const float *src = first ? bias : NULL;                                            \
         __m512 b0 = _mm512_setzero_ps(), b1 = b0;                                          \
@@ -394,7 +394,7 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
         for (int u = 0; u < U; u++) {                                                      \
             const __m512 v0 = _mm512_loadu_ps(bp + (p + u) * 16);                          \
             const __m512 v1 = _mm512_loadu_ps(bq + (p + u) * 16);                          \
-            _Pragma("GCC unroll 12")                                                        \
+            _Pragma("GCC unroll 12")                                                       \
             for (int r = 0; r < R; r++) {                                                  \
                 const __m512 xv = _mm512_set1_ps(x[r * ldx + p + u]);                      \
                 a[u][r][0] = _mm512_fmadd_ps(xv, v0, a[u][r][0]);                          \
@@ -404,14 +404,14 @@ static AVX512P void pkz_##R(int64_t kc, const float *x, int64_t ldx, const float
     }                                                                                      \
     for (; p < kc; p++) {                                                                  \
         const __m512 v0 = _mm512_loadu_ps(bp + p * 16), v1 = _mm512_loadu_ps(bq + p * 16); \
-        _Pragma("GCC unroll 12")                                                            \
+        _Pragma("GCC unroll 12")                                                           \
         for (int r = 0; r < R; r++) {                                                      \
             const __m512 xv = _mm512_set1_ps(x[r * ldx + p]);                              \
             a[0][r][0] = _mm512_fmadd_ps(xv, v0, a[0][r][0]);                              \
             a[0][r][1] = _mm512_fmadd_ps(xv, v1, a[0][r][1]);                              \
         }                                                                                  \
     }                                                                                      \
-    _Pragma("GCC unroll 12")                                                                \
+    _Pragma("GCC unroll 12")                                                               \
     for (int r = 0; r < R; r++) {                                                          \
         float *yr = y + r * ldy;                                                           \
         __m512 s0, s1;                                                                     \

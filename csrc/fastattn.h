@@ -167,9 +167,6 @@ int fa_sdpa_bwd_f64(const fa_sdpa_bwd_args *a);
 int fa_pool_workers(void);
 /* Tasks run by pool workers in the last call that posted work (tests). */
 int64_t fa_pool_last_helped(void);
-/* How long an idle pool worker spins for the next call before it sleeps, in
- * ns (ns < 0: unchanged); returns the previous value. */
-int64_t fa_pool_set_worker_spin(int64_t ns);
 /* Open (delta 1) or close (-1) a hold: while any is open, idle workers spin
  * longer between calls (see fa_pool.c).  Returns the holds now open. */
 int fa_pool_hold(int delta);

@@ -914,11 +914,14 @@ class _SteppedAttention:
         """``(out, lse)`` as ``attention(q, ..., return_lse=True)``."""
         return _execute(self._with(self.fwd, q))
 
-    def start_accumulating(self):
-        """Zero the sums that :meth:`backward` with ``accumulate`` adds to."""
+    def _sums(self):
         if self._acc is None:
             raise TypeError("accumulate: needs projected keys (no W_k) and an unbroadcast batch")
-        for a in self._acc:
+        return self._acc
+
+    def start_accumulating(self):
+        """Zero the sums that :meth:`backward` with ``accumulate`` adds to."""
+        for a in self._sums():
             a[...] = 0
 
     def accumulated(self):
@@ -939,10 +942,8 @@ class _SteppedAttention:
                 raise ValueError(f"{name}: expected shape {osh}, got {a.shape}")
         g = canonical_matrix_stack(grad_out, self.cdt)
         o = canonical_matrix_stack(out, self.cdt)
-        if accumulate and self._acc is None:
-            self.start_accumulating()   # raises
         return _backward_additive(c, g, o, np.asarray(lse, dtype=self.cdt),
-                                  self._acc if accumulate else None)
+                                  self._sums() if accumulate else None)
 
 
 def _param_grads(c, params, dparams):

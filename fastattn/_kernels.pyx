@@ -67,7 +67,6 @@ cdef extern from "fastattn.h" nogil:
     double fa_fma_probe(int64_t n, float *sink)
     int fa_pool_workers()
     int64_t fa_pool_last_helped()
-    int64_t fa_pool_set_worker_spin(int64_t ns)
     int fa_pool_hold(int delta)
     int fa_simd_compiled()
     void fa_simd_set_disabled(int disable)
@@ -128,12 +127,6 @@ def set_blas_threads_hook(uintptr_t address):
 def pool_workers():
     """Worker threads alive in the kernels' pool."""
     return fa_pool_workers()
-
-
-def pool_worker_spin(int64_t ns=-1):
-    """How long (ns) an idle pool worker spins for the next call before it
-    sleeps; ``ns`` >= 0 sets it.  Returns the previous value."""
-    return fa_pool_set_worker_spin(ns)
 
 
 def pool_hold(int delta):

@@ -308,11 +308,9 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
         packed_dw = cdt == _F32 and _proj.packs_transposed(N, K, rows)
         if packed_dx or packed_dw:   # float32 on the packed projection kernel
             g32 = np.ascontiguousarray(g2, dtype=cdt)
-        if not need_dx:
-            dx = None
-        elif packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
+        if need_dx and packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
             _packed_product(g32, np.ascontiguousarray(w, dtype=cdt), dx, nt)
-        else:
+        elif need_dx:
             wa, wt = _operand(w, cdt)
             _proj.matmul(ga, gt, wa, wt, dx, nt)        # (rows, N) @ (N, K)
         if packed_dw:   # dw = g^T x: g read transposed (8 x 8 blocks into scratch), x as w^T
@@ -344,13 +342,14 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
 PACKED_KC = 128
 
 
-def _packed_product(a, bt, out, n_threads, a_transposed=False):
+def _packed_product(a, bt, out, n_threads, a_transposed=False, runs=PACKED_KC):
     """``out (M, N) = a (M, R) @ bt (R, N)`` in float32 on the packed kernel
     (:func:`fastattn._proj.linear` with ``w_transposed``), the reduction in
-    runs of :data:`PACKED_KC` (the same bits for any ``n_threads``).
-    ``a_transposed``: ``a`` is given as ``(R, M)``, ``out = a.T @ bt``, each
-    block transposed inside the kernel (the floats of a transposed copy)."""
-    _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=PACKED_KC,
+    runs of ``runs`` terms (default :data:`PACKED_KC`; the same bits for any
+    ``n_threads``).  ``a_transposed``: ``a`` is given as ``(R, M)``, ``out =
+    a.T @ bt``, each block transposed inside the kernel (the floats of a
+    transposed copy)."""
+    _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=runs,
                  x_transposed=a_transposed)
     return out
 

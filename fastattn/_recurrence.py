@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _alloc, _proj, _rnn, _threads
-from ._linear import _dtypes, _matmul, linear, linear_backward
+from ._linear import _dtypes, _matmul, _packed_product, linear, linear_backward
 from ._validation import (BLAS_INT_MAX, as_array, canonical_matrix_stack, check_float_kind,
                           check_grad_array, grad_dtype)
 
@@ -409,10 +409,8 @@ def _weight_product(dg, hprev, ct, nt):
     rows, GH = dg.shape
     H = hprev.shape[1]
     if ct == _F32 and rows and _proj.packs_transposed(GH, H, rows):
-        out = np.empty((GH, H), ct)
-        _proj.linear(np.ascontiguousarray(dg)[None], np.ascontiguousarray(hprev), None, out[None],
-                     nt, w_transposed=True, runs=DW_PACKED_RUNS, x_transposed=True)
-        return out
+        return _packed_product(np.ascontiguousarray(dg), np.ascontiguousarray(hprev),
+                               np.empty((GH, H), ct), nt, a_transposed=True, runs=DW_PACKED_RUNS)
     return _matmul(dg.T, hprev, ct, nt, kc=DW_CHUNK)
 
 

@@ -419,7 +419,6 @@ class AttentionDecoder(Layer):
             qsim, qparams, w_q, b_q = psim.split_query_projection(pparams)
             lin_q = F._PackedLinear(w_q, b_q)
             lin_qt = F._PackedLinear(np.ascontiguousarray(w_q.T))
-            qin = np.empty((T, B, H), ct)          # each step's query (the top state)
             qproj = np.empty((T, B, w_q.shape[0]), ct)
             steps_attn = F._SteppedAttention(qproj[0][:, None, :], kp, vals, qsim, params=qparams,
                                              attn_mask=mask)
@@ -431,7 +430,6 @@ class AttentionDecoder(Layer):
         for t in range(T):
             q = hs[-1][:, None, :]
             if pre:
-                qin[t] = hs[-1]
                 qproj[t] = lin_q(hs[-1])
                 ctx, lse = steps_attn.forward(qproj[t][:, None, :])
             else:
@@ -498,6 +496,7 @@ class AttentionDecoder(Layer):
             if pre:   # the queries' projection over every step at once
                 dkeys, dm = steps_attn.accumulated()
                 dmem += dm
+                qin = np.stack([tape[t][0][:, 0] for t in range(T)])   # each step's query
                 dwq, dbq = F._linear_weight_grads(dqproj.reshape(T * B, -1), qin.reshape(T * B, H),
                                                   w_q, b_q)
                 self.grads["attn.W_q"] += dwq

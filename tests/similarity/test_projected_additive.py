@@ -152,3 +152,28 @@ def test_linear_weight_grads_are_linear_backwards(rows, dtype, rng):
     _, dw, db = F.linear_backward(g, x, w, b)
     gw, gb = F._linear_weight_grads(g, x, w, b)
     assert np.array_equal(gw, dw) and np.array_equal(gb, db)
+
+
+def test_projected_gradients_against_torch_autograd_float64(rng):
+    """attention_backward with projected queries and keys against torch autograd
+    of softmax(v . tanh(q + k) masked) V, float64, random upstream gradients."""
+    torch = pytest.importorskip("torch")
+    B, Lq, Lk, A, dv = 3, 5, 17, 8, 4
+    qp, kp, v = randn(rng, (B, Lq, A)), randn(rng, (B, Lk, A)), randn(rng, (B, Lk, dv))
+    vec = randn(rng, (A,))
+    mask = rng.random((B, 1, Lk)) < 0.8
+    mask[:, :, 0] = True
+    from fastattn.similarity import ProjectedAdditiveSimilarity
+    qsim, qparams = ProjectedAdditiveSimilarity(), {"v": vec}
+    out, lse = attention(qp, kp, v, qsim, params=qparams, attn_mask=mask, return_lse=True)
+    g = randn(rng, out.shape)
+    dq, dk, dval, dp = attention_backward(g, qp, kp, v, qsim, params=qparams, out=out, lse=lse,
+                                          attn_mask=mask)
+    tq, tk, tv, tvec = (torch.tensor(a, requires_grad=True) for a in (qp, kp, v, vec))
+    s = torch.tanh(tq[:, :, None, :] + tk[:, None, :, :]) @ tvec
+    s = s.masked_fill(~torch.tensor(mask), float("-inf"))
+    to = torch.softmax(s, -1) @ tv
+    to.backward(torch.tensor(g))
+    np.testing.assert_allclose(out, to.detach().numpy(), rtol=1e-10, atol=1e-12)
+    for got, t in ((dq, tq), (dk, tk), (dval, tv), (dp["v"], tvec)):
+        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
