@@ -182,6 +182,18 @@ static __attribute__((target("avx2"))) void dropout_pairs_avx2(int64_t k0, int64
     }
 }
 
+static int rw_has_avx2_fma(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 static int rw_has_avx2(void)
 {
     static int cached = -1;
@@ -529,3 +541,166 @@ void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_
 
 double fa_sumsq_f32(int64_t n, const float *x) { FA_SUMSQ_BODY(float) }
 double fa_sumsq_f64(int64_t n, const double *x) { FA_SUMSQ_BODY(double) }
+
+/* ------------------------------------------------------------- cross entropy */
+/* Row r: m = max (NaN propagating), e_c = exp(z_c - m) in T, sum of the e_c in
+ * double, lse = log(sum); nll = lse - (z_y - m) for a kept target, 0 for an
+ * ignored one; grad = e * (T)(s scale / sum), then grad_y -= (T)(scale)
+ * (s = 1 kept, 0 ignored) -- fastattn/losses.py's class-index path with no
+ * weights and no smoothing, step for step. */
+#define FA_XENT_ROW_TAIL(T, LOGF)                                                   \
+    const int64_t y = tgt[r];                                                       \
+    const int keep = y != ignore;                                                   \
+    const double lse = log(sum);                                                    \
+    nll[r] = keep ? lse - (double)(T)(zr[y] - m) : 0.0;                            \
+    const T f = (T)((keep ? 1.0 : 0.0) * (scale / sum));                            \
+    for (int64_t c = 0; c < C; c++)                                                 \
+        gr[c] *= f;                                                                 \
+    if (keep)                                                                       \
+        gr[y] -= (T)scale;
+
+#define FA_XENT_MAX(T)                                                              \
+    T m = zr[0];                                                                    \
+    for (int64_t c = 1; c < C; c++) {                                               \
+        const T v = zr[c];                                                          \
+        if (v > m || v != v)                                                        \
+            m = v;                                                                  \
+        if (m != m)                                                                 \
+            break;                                                                  \
+    }
+
+#ifdef FA_RW_AVX2
+#define AVX2 __attribute__((target("avx2,fma")))
+#include "fa_exp_avx2.h"
+
+AVX2 static void xent_rows_avx2_f32(int64_t r0, int64_t r1, int64_t C, const float *z,
+                                    int64_t ldz, const int64_t *tgt, int64_t ignore,
+                                    double scale, float *grad, int64_t ldg, double *nll)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        const float *zr = z + r * ldz;
+        float *gr = grad + r * ldg;
+        /* the maximum in lanes, NaNs tracked apart (max_ps drops them) */
+        float m = zr[0];
+        {
+            __m256 mx = _mm256_set1_ps(m), nan = _mm256_setzero_ps();
+            int64_t c = 0;
+            for (; c + 8 <= C; c += 8) {
+                const __m256 v = _mm256_loadu_ps(zr + c);
+                mx = _mm256_max_ps(mx, v);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, mx);
+            for (int l = 0; l < 8; l++)
+                m = lanes[l] > m ? lanes[l] : m;
+            for (; c < C; c++)
+                m = zr[c] > m || zr[c] != zr[c] ? zr[c] : m;
+            if (!_mm256_testz_ps(nan, nan))
+                m = NAN;
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+        int64_t c = 0;
+        for (; c + 8 <= C; c += 8) {
+            const __m256 e = exp8_nonpos_f32(_mm256_sub_ps(_mm256_loadu_ps(zr + c), mv));
+            _mm256_storeu_ps(gr + c, e);
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        if (c < C) {   /* the last 1..7 classes through a padded buffer */
+            float buf[8] = {m, m, m, m, m, m, m, m};   /* padding: exp(0), masked off */
+            memcpy(buf, zr + c, (size_t)(C - c) * sizeof(float));
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256 live = _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(C - c)), lane));
+            __m256 e = exp8_nonpos_f32(_mm256_sub_ps(_mm256_loadu_ps(buf), mv));
+            e = _mm256_and_ps(e, live);
+            _mm256_storeu_ps(buf, e);
+            memcpy(gr + c, buf, (size_t)(C - c) * sizeof(float));
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double part[4];
+        _mm256_storeu_pd(part, _mm256_add_pd(s0, s1));
+        const double sum = (part[0] + part[1]) + (part[2] + part[3]);
+        FA_XENT_ROW_TAIL(float, logf)
+    }
+}
+
+AVX2 static void xent_rows_avx2_f64(int64_t r0, int64_t r1, int64_t C, const double *z,
+                                    int64_t ldz, const int64_t *tgt, int64_t ignore,
+                                    double scale, double *grad, int64_t ldg, double *nll)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        const double *zr = z + r * ldz;
+        double *gr = grad + r * ldg;
+        FA_XENT_MAX(double)
+        const __m256d mv = _mm256_set1_pd(m);
+        __m256d s0 = _mm256_setzero_pd();
+        int64_t c = 0;
+        for (; c + 4 <= C; c += 4) {
+            const __m256d e = exp4_f64(_mm256_sub_pd(_mm256_loadu_pd(zr + c), mv));
+            _mm256_storeu_pd(gr + c, e);
+            s0 = _mm256_add_pd(s0, e);
+        }
+        double part[4];
+        _mm256_storeu_pd(part, s0);
+        double sum = (part[0] + part[1]) + (part[2] + part[3]);
+        for (; c < C; c++) {
+            gr[c] = exp(zr[c] - m);
+            sum += gr[c];
+        }
+        FA_XENT_ROW_TAIL(double, log)
+    }
+}
+#undef AVX2
+#endif
+
+#define FA_XENT_SCALAR(SFX, T, EXPF)                                                \
+static void xent_rows_scalar_##SFX(int64_t r0, int64_t r1, int64_t C, const T *z,   \
+                                   int64_t ldz, const int64_t *tgt, int64_t ignore, \
+                                   double scale, T *grad, int64_t ldg, double *nll) \
+{                                                                                   \
+    for (int64_t r = r0; r < r1; r++) {                                             \
+        const T *zr = z + r * ldz;                                                  \
+        T *gr = grad + r * ldg;                                                     \
+        FA_XENT_MAX(T)                                                              \
+        double sum = 0;                                                             \
+        for (int64_t c = 0; c < C; c++) {                                           \
+            gr[c] = EXPF(zr[c] - m);                                                \
+            sum += (double)gr[c];                                                   \
+        }                                                                           \
+        FA_XENT_ROW_TAIL(T, log)                                                    \
+    }                                                                               \
+}
+FA_XENT_SCALAR(f32, float, expf)
+FA_XENT_SCALAR(f64, double, exp)
+
+void fa_xent_f32(int64_t r0, int64_t r1, int64_t C, const float *z, int64_t ldz,
+                 const int64_t *tgt, int64_t ignore, double scale, float *grad, int64_t ldg,
+                 double *nll, int simd)
+{
+#ifdef FA_RW_AVX2
+    if (simd && rw_has_avx2_fma()) {
+        xent_rows_avx2_f32(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
+        return;
+    }
+#endif
+    (void)simd;
+    xent_rows_scalar_f32(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
+}
+
+void fa_xent_f64(int64_t r0, int64_t r1, int64_t C, const double *z, int64_t ldz,
+                 const int64_t *tgt, int64_t ignore, double scale, double *grad, int64_t ldg,
+                 double *nll, int simd)
+{
+#ifdef FA_RW_AVX2
+    if (simd && rw_has_avx2_fma()) {
+        xent_rows_avx2_f64(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
+        return;
+    }
+#endif
+    (void)simd;
+    xent_rows_scalar_f64(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
+}

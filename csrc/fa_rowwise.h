@@ -119,4 +119,20 @@ void fa_adam_f32(int64_t n, float *p, const float *g, float *m, float *v, float 
 void fa_adam_f64(int64_t n, double *p, const double *g, double *m, double *v, double *vmax,
                  const fa_adam_hyper *h);
 
+/* Softmax cross entropy of rows [r0, r1) of z (C classes, row stride ldz)
+ * against class indices tgt (ignore: the ignored index), no class weights, no
+ * smoothing: with m the row's maximum (NaN propagating), e_c = exp(z_c - m)
+ * in T, sum = their sum in double and lse = log(sum),
+ *     nll[r] = lse - (z_y - m)   (0 for an ignored target)
+ *     grad_c = e_c * (T)(s scale / sum), then grad_y -= (T)scale
+ * (s = 1 for a kept target, 0 for an ignored one: a zero row), grad's rows at
+ * stride ldg.  simd: AVX2 + FMA lanes where the CPU has them (fastattn's
+ * vectorised exp, <= 2 ulp in float32; the scalar loop uses libm's). */
+void fa_xent_f32(int64_t r0, int64_t r1, int64_t C, const float *z, int64_t ldz,
+                 const int64_t *tgt, int64_t ignore, double scale, float *grad, int64_t ldg,
+                 double *nll, int simd);
+void fa_xent_f64(int64_t r0, int64_t r1, int64_t C, const double *z, int64_t ldz,
+                 const int64_t *tgt, int64_t ignore, double scale, double *grad, int64_t ldg,
+                 double *nll, int simd);
+
 #endif

@@ -61,6 +61,12 @@ cdef extern from "fa_rowwise.h" nogil:
                             float *dst)
     void fa_scatter_add_f64(int64_t rows, int64_t E, const double *src, const int64_t *ids,
                             double *dst)
+    void fa_xent_f32(int64_t r0, int64_t r1, int64_t C, const float *z, int64_t ldz,
+                     const int64_t *tgt, int64_t ignore, double scale, float *grad,
+                     int64_t ldg, double *nll, int simd)
+    void fa_xent_f64(int64_t r0, int64_t r1, int64_t C, const double *z, int64_t ldz,
+                     const int64_t *tgt, int64_t ignore, double scale, double *grad,
+                     int64_t ldg, double *nll, int simd)
     ctypedef struct fa_adam_hyper:
         double lr, b1, b2, eps, wd, step_size, bc2_sqrt
         int decoupled, maximize
@@ -430,6 +436,58 @@ def colsum(cnp.ndarray x, cnp.ndarray parts, int n_threads):
     c.parts = <double *>_ptr(parts)
     with nogil:
         _run(&c, _colsum_task, n_threads)
+
+
+ctypedef struct xent_ctx:
+    int f64, simd
+    int64_t rows, C, chunk, ignore
+    char *z
+    char *g
+    const int64_t *tgt
+    double *nll
+    double scale
+
+
+cdef void _xent_task(void *vctx, int64_t t, int slot) noexcept nogil:
+    cdef xent_ctx *c = <xent_ctx *>vctx
+    cdef int64_t r0 = t * c.chunk
+    cdef int64_t r1 = r0 + c.chunk
+    if r1 > c.rows:
+        r1 = c.rows
+    if c.f64:
+        fa_xent_f64(r0, r1, c.C, <double *>c.z, c.C, c.tgt, c.ignore, c.scale, <double *>c.g,
+                    c.C, c.nll, c.simd)
+    else:
+        fa_xent_f32(r0, r1, c.C, <float *>c.z, c.C, c.tgt, c.ignore, c.scale, <float *>c.g,
+                    c.C, c.nll, c.simd)
+
+
+def cross_entropy(cnp.ndarray z, cnp.ndarray tgt, int64_t ignore, double scale,
+                  cnp.ndarray grad, cnp.ndarray nll, int n_threads):
+    """Softmax cross entropy of the rows of z (N, C) against class indices tgt
+    (N,) int64 (each in [0, C) or ``ignore``), no weights or smoothing:
+    nll (N,) float64 and grad (N, C) = scale * d(sum of nll)/dz written
+    (csrc/fa_rowwise.h's fa_xent).  z and grad C-contiguous, one float dtype,
+    C >= 1; each row's result depends on that row alone."""
+    cdef xent_ctx c
+    cdef int64_t ntasks, t
+    c.f64 = cnp.PyArray_TYPE(z) == cnp.NPY_FLOAT64
+    c.rows, c.C = cnp.PyArray_DIMS(z)[0], cnp.PyArray_DIMS(z)[1]
+    if c.rows == 0:
+        return
+    c.chunk = chunk_rows(c.rows, c.C)
+    c.z, c.g = _ptr(z), _ptr(grad)
+    c.tgt = <const int64_t *>cnp.PyArray_DATA(tgt)
+    c.nll = <double *>cnp.PyArray_DATA(nll)
+    c.ignore, c.scale = ignore, scale
+    c.simd = runtime_simd(&g_rt)
+    ntasks = (c.rows + c.chunk - 1) // c.chunk
+    with nogil:
+        if n_threads > 1 and c.rows * c.C >= PARALLEL_MIN and ntasks > 1:
+            runtime_run(&g_rt, ntasks, n_threads, _xent_task, &c, NULL, NULL)
+        else:
+            for t in range(ntasks):
+                _xent_task(&c, t, 0)
 
 
 def scatter_add(cnp.ndarray dst, cnp.ndarray src, cnp.ndarray ids):

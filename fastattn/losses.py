@@ -227,6 +227,12 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, we
         z, t = z[None], t[None]
     wb = None if w is None else w.reshape((1, C) + (1,) * (z.ndim - 2))  # on the class axis
 
+    if not probs and w is None and not eps and z.ndim == 2 and z.shape[0]:
+        # the common case (class indices, no weights, no smoothing, (N, C)) in
+        # one pass per row in C (fastattn._rowwise: the same steps as below,
+        # rows on fastattn's threads)
+        return _cross_entropy_rows(z, t, ii, reduction, cdt, rdt, one_sample)
+
     # stable log-softmax pieces: sh = z - max, lse = log(sum(exp(sh)))  (logp = sh - lse)
     sh = z.astype(cdt, copy=True)
     m = np.max(sh, axis=1, keepdims=True)
@@ -284,6 +290,26 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, we
     if one_sample:
         grad = grad[0]
     return loss, grad
+
+
+def _cross_entropy_rows(z, t, ii, reduction, cdt, rdt, one_sample):
+    """cross_entropy's class-index path without weights or smoothing for (N, C)
+    logits (targets checked): fastattn._rowwise.cross_entropy, whose rows are
+    the NumPy path's steps -- m = max, e = exp(z - m) in the compute dtype, the
+    sum in float64, nll = lse - (z_y - m), grad = e (s scale / sum) - scale at
+    the target (a zero row for an ignored one)."""
+    from . import _rowwise, _threads   # the extension, only when a loss is computed
+    ti = np.ascontiguousarray(t, dtype=np.int64)
+    count = float(np.count_nonzero(ti != ii))
+    scale = _mean_scale(count) if reduction == "mean" else 1.0
+    zc = np.ascontiguousarray(z, dtype=cdt)
+    grad = np.empty(zc.shape, cdt)
+    per = np.empty(zc.shape[0], np.float64)
+    _threads.install_runtime_once(_rowwise.set_runtime)
+    _rowwise.cross_entropy(zc, ti, ii, scale, grad, per, _threads.resolve(None))
+    loss = _finish(per, reduction, count, rdt, () if one_sample else per.shape)
+    grad = grad.astype(rdt, copy=False)
+    return loss, (grad[0] if one_sample else grad)
 
 
 # --------------------------------------------------------------------------

@@ -433,3 +433,95 @@ def test_zero_d_inputs_give_array_gradients(dtype, reduction):
                      (mse, np.array(0.3, dtype), np.array(1.0, dtype))):
         _, grad = fn(x, t, reduction=reduction)
         assert type(grad) is np.ndarray and grad.shape == () and grad.dtype == dtype, (fn, type(grad))
+
+
+# ------------------------------------------- cross_entropy's row kernel (C)
+def _np_cross_entropy64(z, t, ignore_index, reduction):
+    """An independent float64 NumPy reference: log-softmax by rows."""
+    z = np.asarray(z, np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(z - m).sum(axis=1)) + m[:, 0]
+    keep = t != ignore_index
+    y = np.where(keep, t, 0)
+    nll = np.where(keep, lse - z[np.arange(len(t)), y], 0.0)
+    p = np.exp(z - lse[:, None])
+    g = p.copy()
+    g[np.arange(len(t)), y] -= 1.0
+    g *= keep[:, None]
+    if reduction == "mean":
+        n = keep.sum()
+        return (nll.sum() / n if n else math.nan), (g / n if n else g * 0)
+    if reduction == "sum":
+        return nll.sum(), g
+    return nll, g
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("C", [1, 3, 7, 8, 9, 16, 61, 1000])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cross_entropy_rows_kernel_against_float64_reference(C, reduction, dtype, rng):
+    """(N, C) logits with class indices, no weights, no smoothing run in
+    fastattn._rowwise's row kernel (SIMD exp, tails of 1..7 classes): loss and
+    gradient against a float64 NumPy log-softmax, with ignored targets."""
+    N = 300
+    z = (rng.standard_normal((N, C)) * 4).astype(dtype)
+    t = rng.integers(0, C, N)
+    t[rng.random(N) < 0.3] = -100
+    z0 = z.copy()
+    loss, grad = cross_entropy(z, t, reduction=reduction)
+    want_loss, want_grad = _np_cross_entropy64(z, t, -100, reduction)
+    assert grad.dtype == dtype and grad.shape == z.shape
+    assert_close(loss, want_loss, dtype, err_msg="loss")
+    assert_close(grad, want_grad, dtype, err_msg="grad")
+    np.testing.assert_array_equal(z, z0)   # input untouched
+
+
+def test_cross_entropy_rows_kernel_threads_simd_and_nonfinite(rng):
+    """The row kernel: the same bits for 1 and 2 threads (rows are independent);
+    its SIMD and portable loops agree to rounding; rows with NaN, +inf and
+    -inf logits give what the NumPy path (weights of one) gives, NaN where it
+    has NaN; strided and float16 logits are taken."""
+    import fastattn
+    from fastattn import _kernels
+    z = (rng.standard_normal((512, 1000)) * 3).astype(np.float32)
+    z[3, 5] = np.nan
+    z[4, 7] = np.inf
+    z[5, :] = -np.inf
+    z[6, 9] = -np.inf
+    t = rng.integers(0, 1000, 512)
+    t[::5] = -100
+    prev = fastattn.get_num_threads()
+    try:
+        fastattn.set_num_threads(1)
+        one = cross_entropy(z, t, reduction="none")
+        fastattn.set_num_threads(2)
+        two = cross_entropy(z, t, reduction="none")
+    finally:
+        fastattn.set_num_threads(prev)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    try:
+        _kernels.set_simd_disabled(True)
+        scalar = cross_entropy(z, t, reduction="none")
+    finally:
+        _kernels.set_simd_disabled(False)
+    with np.errstate(invalid="ignore"):   # the NumPy path's inf - inf
+        generic = cross_entropy(z, t, reduction="none", weight=np.ones(1000, np.float32))
+    for got in (scalar, generic):
+        for a, b in zip(one, got):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            ok = ~np.isnan(a)
+            np.testing.assert_allclose(a[ok], b[ok], rtol=2e-6, atol=1e-7)
+    # strided (a column slice) and float16 logits: the same as a contiguous copy
+    wide = (rng.standard_normal((64, 40)) * 2).astype(np.float32)
+    tt = rng.integers(0, 20, 64)
+    got = cross_entropy(wide[:, ::2], tt)
+    want = cross_entropy(np.ascontiguousarray(wide[:, ::2]), tt)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])
+    h = wide[:, :20].astype(np.float16)
+    lh, gh = cross_entropy(h, tt)
+    assert gh.dtype == np.float16
+    want_loss, want_grad = _np_cross_entropy64(h.astype(np.float64), tt, -100, "mean")
+    assert abs(lh - want_loss) < 1e-5 * max(1.0, abs(want_loss))
+    np.testing.assert_allclose(gh.astype(np.float64), want_grad, atol=2e-3)
