@@ -400,10 +400,96 @@ static void dropout_mask(int64_t i0, int64_t i1, uint64_t seed, uint64_t thresho
     }
 }
 
+#ifdef FA_RW_AVX2
+#define RW_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2")))
+
+static int rw_has_avx512_drop(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
+            && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") ? 1 : 0;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+static RW_AVX512 inline __m512i splitmix64x8(__m512i z)
+{
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)),
+                           _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ULL));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)),
+                           _mm512_set1_epi64((long long)0x94D049BB133111EBULL));
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+/* Elements [2 k0, 2 k0 + 16 n) of fa_dropout / fa_relu_dropout (float32, the
+ * stream of dropout_pairs_avx2 eight pairs a step: the 64-bit draws' 32-bit
+ * halves, low then high, are the sixteen 32-bit lanes in element order), the
+ * mask bytes and y = x keep scale (relu: relu(x) keep scale) in the same pass
+ * -- the same bytes and floats as the two loops.  threshold < 2^32. */
+static RW_AVX512 void dropout16_avx512_f32(int64_t k0, int64_t n, uint64_t seed,
+                                           uint64_t threshold, const float *x, float *y,
+                                           float scale, uint8_t *keep, int relu)
+{
+    const __m512i thr = _mm512_set1_epi32((int)(uint32_t)threshold);
+    const __m512i step = _mm512_set1_epi64((long long)(8 * FA_GOLDEN));
+    const __m512 one = _mm512_set1_ps(1.0f), sc = _mm512_set1_ps(scale);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512i ctr = _mm512_add_epi64(
+        _mm512_set1_epi64((long long)(seed + (uint64_t)k0 * FA_GOLDEN)),
+        _mm512_mullo_epi64(_mm512_setr_epi64(1, 2, 3, 4, 5, 6, 7, 8),
+                           _mm512_set1_epi64((long long)FA_GOLDEN)));
+    for (int64_t s = 0; s < n; s++) {
+        const __m512i z = splitmix64x8(ctr);
+        ctr = _mm512_add_epi64(ctr, step);
+        const __mmask16 k = _mm512_cmpge_epu32_mask(z, thr);   /* kept: u >= threshold */
+        const int64_t e = 2 * (k0 + 8 * s);
+        _mm_storeu_si128((__m128i *)(keep + e), _mm_maskz_set1_epi8(k, 1));
+        __m512 v = _mm512_loadu_ps(x + e);
+        if (relu)   /* fa_relu's value: x if x > 0 or NaN, else 0 */
+            v = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(v, zero, _CMP_NLE_UQ), v);
+        _mm512_storeu_ps(y + e, _mm512_mul_ps(_mm512_mul_ps(v, _mm512_maskz_mov_ps(k, one)), sc));
+    }
+}
+#endif
+
+/* fa_dropout / fa_relu_dropout's float32 elements [i0, i1) on AVX-512 (simd
+ * level 2) where it can: returns the first element left to the loops. */
+static int64_t dropout_wide_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
+                                const float *x, float *y, float scale, uint8_t *keep, int simd,
+                                int relu)
+{
+#ifdef FA_RW_AVX2
+    if (simd >= 2 && x && y && threshold <= 0xFFFFFFFFULL && i1 - i0 >= 32
+        && rw_has_avx512_drop()) {
+        int64_t i = i0;
+        if (i & 1) {   /* an odd start: the loops take that element */
+            dropout_mask(i, i + 1, seed, threshold, keep, 0);
+            float r = relu ? ((x[i] > 0 || x[i] != x[i]) ? x[i] : 0.0f) : x[i];
+            y[i] = r * (float)keep[i] * scale;
+            i++;
+        }
+        const int64_t n = (i1 - i) / 16;
+        dropout16_avx512_f32(i / 2, n, seed, threshold, x, y, scale, keep, relu);
+        return i + 16 * n;
+    }
+#else
+    (void)seed; (void)threshold; (void)x; (void)y; (void)scale; (void)keep; (void)simd;
+    (void)relu; (void)i1;
+#endif
+    return i0;
+}
+
 #define DROPOUT_DEFINE(SFX, T)                                                       \
 void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,     \
                       const T *x, T *y, T scale, uint8_t *keep, int simd)            \
 {                                                                                    \
+    if (sizeof(T) == 4)                                                              \
+        i0 = dropout_wide_f32(i0, i1, seed, threshold, (const float *)x, (float *)y, \
+                              (float)scale, keep, simd, 0);                          \
     dropout_mask(i0, i1, seed, threshold, keep, simd);                               \
     if (x && y)                                                                      \
         for (int64_t i = i0; i < i1; i++)                                            \
@@ -413,6 +499,9 @@ void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
 void fa_relu_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold, \
                            const T *x, T *y, T scale, uint8_t *keep, int simd)       \
 {                                                                                    \
+    if (sizeof(T) == 4)                                                              \
+        i0 = dropout_wide_f32(i0, i1, seed, threshold, (const float *)x, (float *)y, \
+                              (float)scale, keep, simd, 1);                          \
     dropout_mask(i0, i1, seed, threshold, keep, simd);                               \
     for (int64_t i = i0; i < i1; i++) {                                              \
         T xi = x[i];                                                                 \

@@ -19,7 +19,8 @@ the caller adds up in chunk order.  Small arrays run on the calling thread.
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 
-from fastattn._runtime cimport runtime, runtime_run, runtime_set, runtime_simd, task_fn
+from fastattn._runtime cimport (runtime, runtime_level, runtime_run, runtime_set, runtime_simd,
+                               task_fn)
 
 cnp.import_array()
 
@@ -221,7 +222,8 @@ ctypedef struct ew_ctx:
     uint8_t *keep
     uint64_t seed, threshold
     double scale
-    int simd        # dropout: fastattn's SIMD switch is on (the same bytes either way)
+    int simd        # dropout: fastattn's SIMD level (0 off, 1 AVX2, 2 AVX-512; the same
+                    # bytes and floats at every level)
 
 
 ctypedef void (*drop_f32)(int64_t, int64_t, uint64_t, uint64_t, const float *, float *, float,
@@ -293,7 +295,7 @@ cdef _dropout_run(int op, object x, object y, cnp.ndarray keep, uint64_t seed,
     c.a, c.b, c.out = _ptr(x), NULL, _ptr(y)
     c.keep = <uint8_t *>_ptr(keep)
     c.seed, c.threshold, c.scale = seed, threshold, scale
-    c.simd = runtime_simd(&g_rt)
+    c.simd = runtime_level(&g_rt)   # 2: the AVX-512 float32 pass (the same bytes and floats)
     with nogil:
         _ew_run(&c, n_threads)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fastattn import functional as F
-from support import make_layout, randn
+from support import _restore_simd, make_layout, randn
 
 
 def ln_ref(x, w, b, eps):
@@ -199,6 +199,36 @@ def test_dropout_stream_is_the_documented_splitmix(simd_mode, p, n):
         np.testing.assert_array_equal(keep, want)
     _, keep = F.dropout(x, p, rng=gen)
     np.testing.assert_array_equal(keep, want)
+
+
+@pytest.mark.parametrize("fn", ["dropout", "relu_dropout"])
+def test_dropout_simd_levels_same_bytes_and_floats(fn, rng):
+    """float32 dropout and relu-dropout: the AVX-512 pass (mask bytes and the
+    scaled values in one loop, 64-bit multiplies in eight lanes), the AVX2 mask
+    loop and the scalar one give the same mask bytes and the same output bits,
+    NaN, -0 and odd chunk starts included, 1 and 2 threads.  (On a CPU without
+    AVX-512 the levels coincide and this checks the AVX2 loop against the
+    scalar one.)"""
+    from fastattn import _kernels, _norm
+    x = randn(rng, (3, 70001)).astype(np.float32)   # chunks start at odd indices
+    x[:, ::13] = np.nan
+    x[:, ::17] = -0.0
+    runs = {}
+    try:
+        for level in (2, 1, 0):
+            _kernels.set_simd_max_level(max(level, 1))
+            _kernels.set_simd_disabled(level == 0)
+            for p in (0.1, 0.5, 1 - 2.0 ** -33):
+                for nt in (1, 2):
+                    out, keep = getattr(_norm, fn)(x, p, rng=np.random.default_rng(3), n_threads=nt)
+                    runs.setdefault((p, nt), []).append((out.view(np.uint32), keep.view(np.uint8)))
+    finally:
+        _restore_simd()
+    for (p, nt), got in runs.items():
+        for out, keep in got[1:]:
+            np.testing.assert_array_equal(keep, got[0][1], err_msg=f"p={p} nt={nt}")
+            np.testing.assert_array_equal(out, got[0][0], err_msg=f"p={p} nt={nt}")
+    assert 0.05 < 1 - runs[(0.1, 1)][0][1].mean() < 0.15
 
 
 def test_dropout_keeps_nan_where_dropped_as_x_times_mask():
