@@ -483,6 +483,38 @@ static int64_t dropout_wide_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t 
     return i0;
 }
 
+#ifdef FA_RW_AVX2
+/* fa_relu_mask_scale's float32 loop in eight lanes: (g keep) scale, then +0
+ * where d <= 0 (an ordered compare: a NaN d passes the gradient) -- the same
+ * floats, without the scalar loop's unpredictable branch. */
+static __attribute__((target("avx2"))) int64_t relu_mask_scale_avx2_f32(
+    int64_t n, const float *g, const uint8_t *keep, float scale, const float *d, float *out)
+{
+    const __m256 sc = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t kb;
+        memcpy(&kb, keep + i, 8);
+        const __m256 k = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)kb)));
+        const __m256 gi = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(g + i), k), sc);
+        const __m256 off = _mm256_cmp_ps(_mm256_loadu_ps(d + i), zero, _CMP_LE_OQ);
+        _mm256_storeu_ps(out + i, _mm256_andnot_ps(off, gi));
+    }
+    return i;
+}
+#endif
+
+static int64_t relu_mask_scale_wide_f32(int64_t n, const float *g, const uint8_t *keep,
+                                        float scale, const float *d, float *out, int simd)
+{
+#ifdef FA_RW_AVX2
+    if (simd && rw_has_avx2())
+        return relu_mask_scale_avx2_f32(n, g, keep, scale, d, out);
+#endif
+    (void)n; (void)g; (void)keep; (void)scale; (void)d; (void)out; (void)simd;
+    return 0;
+}
+
 #define DROPOUT_DEFINE(SFX, T)                                                       \
 void fa_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,     \
                       const T *x, T *y, T scale, uint8_t *keep, int simd)            \
@@ -511,9 +543,13 @@ void fa_relu_dropout_##SFX(int64_t i0, int64_t i1, uint64_t seed, uint64_t thres
 }                                                                                    \
                                                                                      \
 void fa_relu_mask_scale_##SFX(int64_t n, const T *g, const uint8_t *keep, T scale,  \
-                              const T *d, T *out)                                    \
+                              const T *d, T *out, int simd)                          \
 {                                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                                \
+    int64_t i0 = 0;                                                                  \
+    if (sizeof(T) == 4)                                                              \
+        i0 = relu_mask_scale_wide_f32(n, (const float *)g, keep, (float)scale,       \
+                                      (const float *)d, (float *)out, simd);         \
+    for (int64_t i = i0; i < n; i++) {                                               \
         T gi = g[i] * (T)keep[i] * scale, di = d[i];  /* fa_mask_scale's value */    \
         out[i] = di <= 0 ? (T)0 : gi;                 /* then fa_relu_bwd's */       \
     }                                                                                \

@@ -63,11 +63,12 @@ void fa_relu_dropout_f32(int64_t i0, int64_t i1, uint64_t seed, uint64_t thresho
 void fa_relu_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
                          const double *x, double *y, double scale, uint8_t *keep, int simd);
 /* fa_mask_scale then fa_relu_bwd against d (the forward's relu-dropout output)
- * in one pass: out = d <= 0 ? 0 : g keep scale (the same floats as the two). */
+ * in one pass: out = d <= 0 ? 0 : g keep scale (the same floats as the two;
+ * simd: float32 in AVX2 lanes where the CPU has them, the same floats). */
 void fa_relu_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale,
-                            const float *d, float *out);
+                            const float *d, float *out, int simd);
 void fa_relu_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
-                            const double *d, double *out);
+                            const double *d, double *out, int simd);
 void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out);
 void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale, double *out);
 

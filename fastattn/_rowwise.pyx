@@ -44,9 +44,9 @@ cdef extern from "fa_rowwise.h" nogil:
     void fa_relu_dropout_f64(int64_t i0, int64_t i1, uint64_t seed, uint64_t threshold,
                              const double *x, double *y, double scale, uint8_t *keep, int simd)
     void fa_relu_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale,
-                                const float *d, float *out)
+                                const float *d, float *out, int simd)
     void fa_relu_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
-                                const double *d, double *out)
+                                const double *d, double *out, int simd)
     void fa_mask_scale_f32(int64_t n, const float *g, const uint8_t *keep, float scale, float *out)
     void fa_mask_scale_f64(int64_t n, const double *g, const uint8_t *keep, double scale,
                            double *out)
@@ -252,10 +252,10 @@ cdef void _ew_task(void *vctx, int64_t t, int slot) noexcept nogil:
     elif c.op == 5:
         if c.f64:
             fa_relu_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale,
-                                   <double *>c.b + i0, <double *>c.out + i0)
+                                   <double *>c.b + i0, <double *>c.out + i0, c.simd)
         else:
             fa_relu_mask_scale_f32(n, <float *>c.a + i0, c.keep + i0, <float>c.scale,
-                                   <float *>c.b + i0, <float *>c.out + i0)
+                                   <float *>c.b + i0, <float *>c.out + i0, c.simd)
     elif c.op == 1:
         if c.f64:
             fa_mask_scale_f64(n, <double *>c.a + i0, c.keep + i0, c.scale, <double *>c.out + i0)
@@ -324,6 +324,7 @@ def relu_mask_scale(cnp.ndarray g, cnp.ndarray keep, double scale, cnp.ndarray d
     c.a, c.b, c.out = _ptr(g), _ptr(d), _ptr(out)
     c.keep = <uint8_t *>_ptr(keep)
     c.scale = scale
+    c.simd = runtime_simd(&g_rt)
     with nogil:
         _ew_run(&c, n_threads)
 

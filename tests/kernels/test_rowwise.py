@@ -272,10 +272,10 @@ def test_relu_backward_kernel(dtype, rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(7,), (3, 5, 33), (512, 300)])
-def test_relu_dropout_fused_is_relu_then_dropout_bitwise(dtype, shape, rng):
-    """FeedForward's one-pass relu + dropout (and its backward) against the two
-    ops: the same mask, the same bytes (NaN, -0 and 0 inputs included), the
-    same draw from the generator."""
+def test_relu_dropout_fused_is_relu_then_dropout_bitwise(dtype, shape, rng, simd_mode):
+    """FeedForward's one-pass relu + dropout (and its backward: AVX2 lanes in
+    float32 with SIMD on) against the two ops: the same mask, the same bytes
+    (NaN, -0 and 0 inputs included), the same draw from the generator."""
     from fastattn import _norm
     x = randn(rng, shape, dtype)
     x.flat[::17], x.flat[::13], x.flat[::11] = np.nan, -0.0, 0.0
