@@ -110,8 +110,16 @@ class TransformerEncoderLayer(Layer):
         # the feed-forward block
         f_in, b_n2 = fb(self.norm2, h) if pre else (h, None)
         u, b_l1 = fb(self.linear1, f_in)
-        a = self._act(u)
-        a, b_d = fb(self.dropout, a)
+        relu = self._config["activation"] == "relu"
+        p = self.dropout._config["p"]
+        fused = relu and not _infer and self.dropout.training and p > 0.0
+        if fused:
+            # relu and dropout in one pass each way (FeedForward's: the same
+            # mask, floats and generator draw as the two layers)
+            a, keep = F._relu_dropout(u, p, rng=self.dropout._gen)
+        else:
+            a = self._act(u)
+            a, b_d = fb(self.dropout, a)
         f, b_l2 = fb(self.linear2, a)
         f, b_d2 = fb(self.dropout2, f)
         out = h + f
@@ -119,7 +127,6 @@ class TransformerEncoderLayer(Layer):
             out, b_n2 = fb(self.norm2, out)
         if _infer:
             return out, None
-        relu = self._config["activation"] == "relu"
         # relu's backward reads the dropout's output, which linear2 keeps
         # anyway (> 0 exactly where u > 0 and the element is kept; dropped
         # elements' gradients are zero already): u (B, L, FF) is not kept
@@ -134,8 +141,11 @@ class TransformerEncoderLayer(Layer):
             (gf,) = b_d2(g)
             (ga,) = b_l2(gf)
             del gf
-            (ga,) = b_d(ga)
-            gu = F.relu_backward(ga, act_in) if relu else F.gelu_backward(ga, act_in)
+            if fused:
+                gu = F._relu_dropout_backward(ga, keep, p, act_in)
+            else:
+                (ga,) = b_d(ga)
+                gu = F.relu_backward(ga, act_in) if relu else F.gelu_backward(ga, act_in)
             del ga   # (B, L, FF) gradients: at most two alive at a time
             (gh,) = b_l1(gu)
             del gu

@@ -80,3 +80,70 @@ def test_dropout_is_seeded_and_off_in_eval(rng):
     a.eval()
     np.testing.assert_array_equal(a(x), a(x))
     assert not np.array_equal(a(x), b(x))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_training_dropout_is_the_sublayers_composed(activation, norm_first, rng):
+    """In training with dropout (relu: the feed-forward's relu and dropout in
+    one fused pass each way), the layer's output, input gradient and weight
+    gradients are the bits of its sublayers' own forward_backward composed in
+    torch's order, with the same generator draws (a deep copy of the layer)."""
+    import copy
+    from fastattn import functional as F
+    enc = TransformerEncoderLayer(16, 2, 40, dropout=0.25, activation=activation,
+                                  norm_first=norm_first, seed=3)
+    ref = copy.deepcopy(enc)
+    x = randn(rng, (2, 9, 16), np.float32)
+    g = randn(rng, (2, 9, 16), np.float32)
+    mask = np.ones((2, 9), bool)
+    mask[1, 6:] = False
+    out, backprop = enc.forward_backward(x, key_mask=mask)
+    (dx,) = backprop(g)
+
+    act = F.relu if activation == "relu" else F.gelu
+    back = []
+    h = x
+    if norm_first:
+        a_in, b = ref.norm1.forward_backward(h)
+        back.append(("n1", b))
+    else:
+        a_in = h
+    sa, b_sa = ref.self_attn.forward_backward(a_in, key_mask=mask)
+    sa, b_d1 = ref.dropout1.forward_backward(sa)
+    h1 = x + sa
+    if not norm_first:
+        h1, b_n1 = ref.norm1.forward_backward(h1)
+    f_in, b_n2 = ref.norm2.forward_backward(h1) if norm_first else (h1, None)
+    u, b_l1 = ref.linear1.forward_backward(f_in)
+    a = act(u)
+    a, b_d = ref.dropout.forward_backward(a)
+    f, b_l2 = ref.linear2.forward_backward(a)
+    f, b_d2 = ref.dropout2.forward_backward(f)
+    want = h1 + f
+    if not norm_first:
+        want, b_n2 = ref.norm2.forward_backward(want)
+    np.testing.assert_array_equal(out, want)
+
+    gg = g
+    if not norm_first:
+        (gg,) = b_n2(gg)
+    (gf,) = b_d2(gg)
+    (ga,) = b_l2(gf)
+    (ga,) = b_d(ga)
+    gu = F.relu_backward(ga, a) if activation == "relu" else F.gelu_backward(ga, u)
+    (gh,) = b_l1(gu)
+    if norm_first:
+        (gh,) = b_n2(gh)
+    gh = gh + gg
+    if not norm_first:
+        (gh,) = b_n1(gh)
+    (gs,) = b_d1(gh)
+    (gx,) = b_sa(gs)
+    if norm_first:
+        (gx,) = back[0][1](gx)
+    want_dx = gx + gh
+    np.testing.assert_array_equal(dx, want_dx)
+    ref_grads = dict(ref.named_grads())
+    for name, gr in enc.named_grads():
+        np.testing.assert_array_equal(gr, ref_grads[name], err_msg=name)
