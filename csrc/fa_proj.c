@@ -496,22 +496,42 @@ static int64_t g_pk_mc = FA_PROJ_PACKED_MC;
 /* dst[c][r] = src[r][c] for rows [r0, r1): row blocks of 8 in column tiles of
  * 64 (the tile's 8 x 64 source floats and its 64 x 8 destination floats stay
  * in L1 while the 8 x 8 blocks move).  Exact copies. */
+/* csum (or NULL): csum[c] += src[r][c] in double for the rows in order (the
+ * column sums of the block, read while it is in L1 for its transposition). */
 static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const float *src,
-                                int64_t lds, float *dst, int64_t ldd)
+                                int64_t lds, float *dst, int64_t ldd, double *csum)
 {
     const __m256 one = _mm256_set1_ps(1.0f);  /* times 1: exact */
     int64_t r = r0;
     for (; r + 8 <= r1; r += 8) {
         int64_t c = 0;
-        for (; c + 8 <= cols; c += 8)
-            transpose_block_f32(src + r * lds + c, lds, dst + c * ldd + r, ldd, one);
+        for (; c + 8 <= cols; c += 8) {
+            const float *sb = src + r * lds + c;
+            if (csum) {
+                __m256d lo = _mm256_loadu_pd(csum + c), hi = _mm256_loadu_pd(csum + c + 4);
+                for (int i = 0; i < 8; i++) {
+                    const __m256 v = _mm256_loadu_ps(sb + i * lds);
+                    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+                    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+                }
+                _mm256_storeu_pd(csum + c, lo);
+                _mm256_storeu_pd(csum + c + 4, hi);
+            }
+            transpose_block_f32(sb, lds, dst + c * ldd + r, ldd, one);
+        }
         for (; c < cols; c++)
-            for (int i = 0; i < 8; i++)
+            for (int i = 0; i < 8; i++) {
                 dst[c * ldd + r + i] = src[(r + i) * lds + c];
+                if (csum)
+                    csum[c] += (double)src[(r + i) * lds + c];
+            }
     }
     for (; r < r1; r++)
-        for (int64_t c = 0; c < cols; c++)
+        for (int64_t c = 0; c < cols; c++) {
             dst[c * ldd + r] = src[r * lds + c];
+            if (csum)
+                csum[c] += (double)src[r * lds + c];
+        }
 }
 
 /* abuf (x given transposed, see fa_proj_packed_xt_runs_f32): MC x KC floats of
@@ -521,7 +541,7 @@ static AVX2 void transpose_avx2(int64_t r0, int64_t r1, int64_t cols, const floa
  * whole x would hold, without writing and rereading one. */
 static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                             const float *wp, const float *b, float *y, int64_t ldy, int wide,
-                            int64_t runs, float *abuf)
+                            int64_t runs, float *abuf, double *csum)
 {
     const int64_t KC = runs > 0 ? runs : g_pk_kc > 0 ? g_pk_kc : k;
     const int64_t MC = g_pk_mc > 0 ? g_pk_mc : m;
@@ -534,7 +554,8 @@ static AVX2 void packed_f32(int64_t m, int64_t n, int64_t k, const float *x, int
             const float *xb = x + i0 * ldx + k0;
             int64_t ldb = ldx;
             if (abuf) {   /* rows k0.. of the transposed x, columns i0..i1 */
-                transpose_avx2(0, kc, i1 - i0, x + k0 * ldx + i0, ldx, abuf, kc);
+                transpose_avx2(0, kc, i1 - i0, x + k0 * ldx + i0, ldx, abuf, kc,
+                               csum ? csum + i0 : NULL);
                 xb = abuf;
                 ldb = kc;
             }
@@ -710,7 +731,7 @@ int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int
     if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || runs < 0
         || !fa_proj_packed_available())
         return FA_PROJ_EINVAL;
-    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide, runs, NULL);
+    packed_f32(m, n, k, x, ldx, wp + c0 * k, b, y, ldy, wide, runs, NULL, NULL);
     return 0;
 #else
     (void)m; (void)n; (void)k; (void)x; (void)ldx; (void)wp; (void)c0; (void)b; (void)y; (void)ldy;
@@ -721,7 +742,7 @@ int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int
 
 int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt, int64_t ldt,
                                const float *wp, int64_t c0, const float *b, float *y,
-                               int64_t ldy, int wide, int64_t runs)
+                               int64_t ldy, int wide, int64_t runs, double *csum)
 {
 #ifdef FA_PROJ_AVX2
     if (m < 1 || n < 1 || k < 1 || c0 < 0 || c0 % FA_PROJ_PANEL || runs < 1
@@ -732,12 +753,12 @@ int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt,
     float *abuf = (float *)malloc((size_t)(MC * KC) * sizeof(float));
     if (!abuf)
         return FA_PROJ_ENOMEM;
-    packed_f32(m, n, k, xt, ldt, wp + c0 * k, b, y, ldy, wide, runs, abuf);
+    packed_f32(m, n, k, xt, ldt, wp + c0 * k, b, y, ldy, wide, runs, abuf, csum);
     free(abuf);
     return 0;
 #else
     (void)m; (void)n; (void)k; (void)xt; (void)ldt; (void)wp; (void)c0; (void)b; (void)y;
-    (void)ldy; (void)wide; (void)runs;
+    (void)ldy; (void)wide; (void)runs; (void)csum;
     return FA_PROJ_EINVAL;
 #endif
 }

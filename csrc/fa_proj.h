@@ -76,11 +76,14 @@ int fa_proj_packed_runs_f32(int64_t m, int64_t n, int64_t k, const float *x, int
  * column panels, then read as fa_proj_packed_runs_f32 reads x: the same
  * floats as that function on a transposed copy of x.  For linear_backward's
  * dW = g^T x without a transposed copy of g.  runs in 1..FA_PROJ_XT_MAX_RUNS.
+ * csum (or NULL): m doubles to which the column sums of x's rows are added
+ * (csum[i] += x[i, p] for p = 0 .. k-1 in order, in double -- dL/db of that
+ * dW's linear: g read once for both), while each block is in cache.
  * Returns 0, FA_PROJ_EINVAL or FA_PROJ_ENOMEM. */
 #define FA_PROJ_XT_MAX_RUNS 1024
 int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt, int64_t ldt,
                                const float *wp, int64_t c0, const float *b, float *y,
-                               int64_t ldy, int wide, int64_t runs);
+                               int64_t ldy, int wide, int64_t runs, double *csum);
 
 /* Cache blocking of fa_proj_packed_f32: k in runs of kc (as above), rows in chunks of
  * mc (0: no split); fa_proj_packed_tune changes them (tuning sweeps).  Measured

@@ -291,7 +291,7 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
     rows = int(np.prod(lead))
     g2 = g.reshape(rows, N)
     x2 = x.reshape(rows, K)
-    ga, gt = None, False
+    ga, gt, db64 = None, False, None
     if rows == 0 or N == 0 or K == 0:  # sums of nothing, or nothing to write
         dx = np.zeros((rows, K), cdt)
         dw = np.zeros((N, K), cdt)
@@ -314,7 +314,10 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
             wa, wt = _operand(w, cdt)
             _proj.matmul(ga, gt, wa, wt, dx, nt)        # (rows, N) @ (N, K)
         if packed_dw:   # dw = g^T x: g read transposed (8 x 8 blocks into scratch), x as w^T
-            _packed_product(g32, np.ascontiguousarray(x2, dtype=cdt), dw, nt, a_transposed=True)
+            # and db = g's column sums from the same pass over g (float64, in row order)
+            db64 = np.zeros(N) if b is not None else None
+            _packed_product(g32, np.ascontiguousarray(x2, dtype=cdt), dw, nt, a_transposed=True,
+                            colsum=db64)
         else:
             xa, xt = _operand(x2, cdt)
             _proj.matmul(ga, not gt, xa, xt, dw, nt)    # (N, rows) @ (rows, K)
@@ -323,9 +326,12 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
     dw = dw.astype(grad_dtype(w, cdt), copy=False)
     db = None
     if b is not None:
-        if ga is None:
-            ga = g2.astype(cdt, copy=False)
-        db = _column_sums(ga.T if gt else ga, nt)
+        if db64 is not None:
+            db = db64
+        else:
+            if ga is None:
+                ga = g2.astype(cdt, copy=False)
+            db = _column_sums(ga.T if gt else ga, nt)
         db = db.astype(grad_dtype(b, cdt), copy=False)
     return dx, dw, db
 
@@ -342,15 +348,16 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
 PACKED_KC = 128
 
 
-def _packed_product(a, bt, out, n_threads, a_transposed=False, runs=PACKED_KC):
+def _packed_product(a, bt, out, n_threads, a_transposed=False, runs=PACKED_KC, colsum=None):
     """``out (M, N) = a (M, R) @ bt (R, N)`` in float32 on the packed kernel
     (:func:`fastattn._proj.linear` with ``w_transposed``), the reduction in
     runs of ``runs`` terms (default :data:`PACKED_KC`; the same bits for any
     ``n_threads``).  ``a_transposed``: ``a`` is given as ``(R, M)``, ``out =
     a.T @ bt``, each block transposed inside the kernel (the floats of a
-    transposed copy)."""
+    transposed copy); ``colsum`` (with it): float64 zeros (M,) that get
+    ``a``'s column sums (over R in order, in float64) from the same pass."""
     _proj.linear(a[None], bt, None, out[None], n_threads, w_transposed=True, runs=runs,
-                 x_transposed=a_transposed)
+                 x_transposed=a_transposed, colsum=colsum)
     return out
 
 

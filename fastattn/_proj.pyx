@@ -85,7 +85,7 @@ cdef extern from "fa_proj.h" nogil:
                                 int64_t ldy, int wide, int64_t runs)
     int fa_proj_packed_xt_runs_f32(int64_t m, int64_t n, int64_t k, const float *xt,
                                    int64_t ldt, const float *wp, int64_t c0, const float *b,
-                                   float *y, int64_t ldy, int wide, int64_t runs)
+                                   float *y, int64_t ldy, int wide, int64_t runs, double *csum)
     int FA_PROJ_XT_MAX_RUNS
     int FA_PROJ_ENOMEM
     int FA_PROJ_PANEL
@@ -223,6 +223,7 @@ ctypedef struct lin_ctx:
     int packed                # use fa_proj_packed_f32 on wp
     int wide                  # ... with its AVX-512 kernels (fastattn's SIMD level 2)
     int64_t runs              # ... with the reduction in runs of this many terms (0: one)
+    double *csum              # xt: x's column sums (M doubles, added to), or NULL
     int status                # first non-zero status of fa_proj_small_f32 (0: all ran)
 
 
@@ -317,8 +318,10 @@ cdef void _task(void *vctx, int64_t t, int slot) noexcept nogil:
     cdef const float *bias = <float *>(c.b + <int64_t>c0 * it) if c.b != NULL else NULL
     if c.packed:   # x read in place, or (xt) given as its transpose
         if c.xt:
+            # the column sums of this row block by its first column block's task
             rc = fa_proj_packed_xt_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
-                                            bias, <float *>y, c.ldy, c.wide, c.runs)
+                                            bias, <float *>y, c.ldy, c.wide, c.runs,
+                                            c.csum + r0 if c.csum != NULL and c0 == 0 else NULL)
         else:
             rc = fa_proj_packed_runs_f32(m, n, c.K, <float *>x, c.ldx, <float *>c.wp, c0,
                                          bias, <float *>y, c.ldy, c.wide, c.runs)
@@ -396,7 +399,8 @@ def packs_transposed(int64_t M, int64_t N, int64_t K):
 
 
 def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
-           object wp=None, bint w_transposed=False, int64_t runs=0, bint x_transposed=False):
+           object wp=None, bint w_transposed=False, int64_t runs=0, bint x_transposed=False,
+           object colsum=None):
     """``y[i] = x[i] @ w.T + b`` for every batch item ``i``, on up to ``n_threads`` threads.
 
     ``wp`` (float32 only): ``w``'s packed form (:func:`pack_f32`, or a slice of
@@ -416,7 +420,11 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     as its transpose ``(1, K, M)`` -- ``y = x[0].T @ w`` -- its last axis
     contiguous; each block of rows and run is transposed into scratch inside
     the call (fa_proj_packed_xt_runs_f32: the floats of the same call on a
-    transposed copy).  Without ``wp``, a
+    transposed copy).  ``colsum`` (with ``x_transposed`` only): a 1-D
+    C-contiguous float64 array of M elements that the column sums of
+    ``x[0].T``'s rows are added to (each over the K terms in order, in
+    float64; whatever ``n_threads``), read from each block while it is
+    transposed.  Without ``wp``, a
     float32 product of at least ``pack_min_rows`` rows (all batch items) whose
     packed ``w`` fits ``pack_max_elems`` packs ``w`` itself first (on the same
     threads, into this thread's scratch, :func:`release_pack_buffer`) and
@@ -465,6 +473,15 @@ def linear(cnp.ndarray x, cnp.ndarray w, object b, cnp.ndarray y, int n_threads,
     c.K = <int>cnp.PyArray_DIMS(x)[3 - xm]
     c.N = <int>cnp.PyArray_DIMS(w)[wn]
     c.xt = x_transposed
+    c.csum = NULL
+    if colsum is not None:
+        if (not x_transposed or cnp.PyArray_TYPE(<cnp.ndarray>colsum) != cnp.NPY_FLOAT64
+                or cnp.PyArray_NDIM(<cnp.ndarray>colsum) != 1
+                or cnp.PyArray_DIMS(<cnp.ndarray>colsum)[0] != M
+                or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>colsum)):
+            raise ValueError("fastattn._proj.linear: colsum needs x_transposed and a 1-D "
+                             f"C-contiguous float64 array of {M} elements")
+        c.csum = <double *>cnp.PyArray_DATA(<cnp.ndarray>colsum)
     c.ldx = <int>_rows_ld(x, M if x_transposed else c.K)   # xt: the (K, M) array's row stride
     c.ldw = <int>_rows_ld(w, c.N if w_transposed else c.K)
     c.ldy = <int>_rows_ld(y, c.N)

@@ -173,3 +173,44 @@ def test_linear_backward_float32_as_accurate_as_torch(rows, N, K, rng):
         ours_e, torch_e = got.astype(np.float64) - ref, theirs.astype(np.float64) - ref
         assert np.sqrt(np.mean(ours_e ** 2)) <= 1.1 * np.sqrt(np.mean(torch_e ** 2))
         assert np.abs(ours_e).max() <= 1.25 * np.abs(torch_e).max()
+
+
+@pytest.mark.parametrize("K, M, N, runs", [(300, 97, 40, 128), (129, 64, 17, 32), (1000, 203, 70, 128),
+                                           (77, 130, 33, 16)])
+def test_x_transposed_column_sums_in_row_order(K, M, N, runs, rng):
+    """``colsum`` with ``x_transposed``: the column sums of x[0].T's rows
+    added to the array, each in float64 over the K terms in order -- exactly
+    np.add.reduce along axis 0 in float64 (row by row) -- whatever the thread
+    count; the product unchanged by it.  (Without the packed kernel the call
+    is refused, as every x_transposed call.)"""
+    xt = randn(rng, (1, K, M), np.float32)
+    if not _proj.packs_transposed(M, N, K):
+        with pytest.raises(ValueError, match="w_transposed"):
+            _proj.linear(xt, randn(rng, (K, N), np.float32), None, np.empty((1, M, N), np.float32),
+                         1, w_transposed=True, runs=runs, x_transposed=True, colsum=np.zeros(M))
+        return
+    wt = randn(rng, (K, N), np.float32)
+    start = randn(rng, (M,), np.float64)
+    want = np.add.reduce(np.concatenate([start[None], xt[0].astype(np.float64)]), axis=0)
+    y0 = np.empty((1, M, N), np.float32)
+    _proj.linear(xt, wt, None, y0, 1, w_transposed=True, runs=runs, x_transposed=True)
+    for nt in (1, 2, 3):
+        cs = start.copy()
+        y = np.empty((1, M, N), np.float32)
+        _proj.linear(xt, wt, None, y, nt, w_transposed=True, runs=runs, x_transposed=True,
+                     colsum=cs)
+        np.testing.assert_array_equal(cs, want)
+        np.testing.assert_array_equal(y, y0)
+
+
+def test_colsum_needs_x_transposed_and_a_float64_vector(rng):
+    x = randn(rng, (1, 80, 5), np.float32)
+    wt = randn(rng, (5, 3), np.float32)
+    with pytest.raises(ValueError, match="colsum"):
+        _proj.linear(x, wt, None, np.empty((1, 80, 3), np.float32), 2, w_transposed=True,
+                     runs=4, colsum=np.zeros(80))
+    xt = randn(rng, (1, 5, 80), np.float32)
+    for bad in (np.zeros(79), np.zeros(80, np.float32), np.zeros((80, 1))):
+        with pytest.raises(ValueError, match="colsum"):
+            _proj.linear(xt, wt, None, np.empty((1, 80, 3), np.float32), 2, w_transposed=True,
+                         runs=4, x_transposed=True, colsum=bad)
