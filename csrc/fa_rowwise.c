@@ -802,30 +802,23 @@ static void xent_rows_scalar_##SFX(int64_t r0, int64_t r1, int64_t C, const T *z
 FA_XENT_SCALAR(f32, float, expf)
 FA_XENT_SCALAR(f64, double, exp)
 
-void fa_xent_f32(int64_t r0, int64_t r1, int64_t C, const float *z, int64_t ldz,
-                 const int64_t *tgt, int64_t ignore, double scale, float *grad, int64_t ldg,
-                 double *nll, int simd)
-{
 #ifdef FA_RW_AVX2
-    if (simd && rw_has_avx2_fma()) {
-        xent_rows_avx2_f32(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
-        return;
+#define FA_XENT_SIMD(SFX)                                                            \
+    if (simd && rw_has_avx2_fma()) {                                                \
+        xent_rows_avx2_##SFX(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll); \
+        return;                                                                      \
     }
+#else
+#define FA_XENT_SIMD(SFX)
 #endif
-    (void)simd;
-    xent_rows_scalar_f32(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
+#define FA_XENT_DEFINE(SFX, T)                                                       \
+void fa_xent_##SFX(int64_t r0, int64_t r1, int64_t C, const T *z, int64_t ldz,       \
+                   const int64_t *tgt, int64_t ignore, double scale, T *grad,        \
+                   int64_t ldg, double *nll, int simd)                               \
+{                                                                                    \
+    FA_XENT_SIMD(SFX)                                                                \
+    (void)simd;                                                                      \
+    xent_rows_scalar_##SFX(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);   \
 }
-
-void fa_xent_f64(int64_t r0, int64_t r1, int64_t C, const double *z, int64_t ldz,
-                 const int64_t *tgt, int64_t ignore, double scale, double *grad, int64_t ldg,
-                 double *nll, int simd)
-{
-#ifdef FA_RW_AVX2
-    if (simd && rw_has_avx2_fma()) {
-        xent_rows_avx2_f64(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
-        return;
-    }
-#endif
-    (void)simd;
-    xent_rows_scalar_f64(r0, r1, C, z, ldz, tgt, ignore, scale, grad, ldg, nll);
-}
+FA_XENT_DEFINE(f32, float)
+FA_XENT_DEFINE(f64, double)
