@@ -282,7 +282,18 @@ def _linear_weight_grads(grad_out, x, weight, bias=None, *, n_threads=None):
     return dw, db
 
 
-def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
+def _linear_input_grad(grad_out, x, weight, *, n_threads=None):
+    """:func:`linear_backward`'s ``dx`` alone, without the weight gradient; for a
+    slice of ``weight``'s columns, those columns of the whole dx (the same
+    floats on the float32 packed kernel, where each column is its own
+    product; to rounding on the tiled products).  For
+    AttentionDecoder's input projection, whose context columns' gradient it
+    takes step by step and whose embedding columns' gradient it needs here.
+    Internal."""
+    return _linear_backward(grad_out, x, weight, None, n_threads, True, need_dw=False)[0]
+
+
+def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx, need_dw=True):
     x, w, b, cdt, _ = _check_args(x, weight, bias)
     nt = _threads.resolve(n_threads)
     N, K = w.shape
@@ -298,14 +309,14 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
     elif max(rows, N, K) > BLAS_INT_MAX:  # beyond BLAS's 32-bit sizes: NumPy's matmul
         ga = g2.astype(cdt, copy=False)
         dx = np.matmul(ga, w.astype(cdt, copy=False))
-        dw = np.matmul(ga.T, x2.astype(cdt, copy=False))
+        dw = np.matmul(ga.T, x2.astype(cdt, copy=False)) if need_dw else None
     else:
         _ensure_runtime()
         ga, gt = _operand(g2, cdt)
         dx = np.empty((rows, K), cdt) if need_dx else None
-        dw = np.empty((N, K), cdt)
+        dw = np.empty((N, K), cdt) if need_dw else None
         packed_dx = cdt == _F32 and _proj.packs_transposed(rows, K, N)
-        packed_dw = cdt == _F32 and _proj.packs_transposed(N, K, rows)
+        packed_dw = cdt == _F32 and _proj.packs_transposed(N, K, rows) and need_dw
         if packed_dx or packed_dw:   # float32 on the packed projection kernel
             g32 = np.ascontiguousarray(g2, dtype=cdt)
         if need_dx and packed_dx:   # dx = g W: the rows of g against W read as w^T (packed by copies)
@@ -318,11 +329,13 @@ def _linear_backward(grad_out, x, weight, bias, n_threads, need_dx):
             db64 = np.zeros(N) if b is not None else None
             _packed_product(g32, np.ascontiguousarray(x2, dtype=cdt), dw, nt, a_transposed=True,
                             colsum=db64)
-        else:
+        elif need_dw:
             xa, xt = _operand(x2, cdt)
             _proj.matmul(ga, not gt, xa, xt, dw, nt)    # (N, rows) @ (rows, K)
     if dx is not None:
         dx = dx.reshape(x.shape).astype(grad_dtype(x, cdt), copy=False)
+    if not need_dw:
+        return dx, None, None
     dw = dw.astype(grad_dtype(w, cdt), copy=False)
     db = None
     if b is not None:

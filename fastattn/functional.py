@@ -25,6 +25,7 @@ from ._embedding import accumulate_backward as _embedding_backward_into  # the l
 from ._linear import linear, linear_backward
 from ._linear import _PackedLinear  # AttentionDecoder's per-step products
 from ._linear import _linear_weight_grads  # ... and its query projection's weight gradient
+from ._linear import _linear_input_grad  # ... and its input projection's embedding columns
 from ._merge import merge_attention
 from ._multihead import (multi_head_attention, multi_head_attention_backward,
                          multi_head_attention_forward_backward)

@@ -505,7 +505,10 @@ class AttentionDecoder(Layer):
             # the input projections of every step at once
             gr = rnn.grads
             x0 = np.concatenate([emb, ctxs], axis=-1).reshape(B * T, E + D)
-            dx0, dwih, dbih = F.linear_backward(dXW[0].reshape(B * T, GH), x0, W[0][0], W[0][2])
+            dxw0 = dXW[0].reshape(B * T, GH)
+            dwih, dbih = F._linear_weight_grads(dxw0, x0, W[0][0], W[0][2])
+            # dx of the embeddings' columns only (the context's went back step by step)
+            demb = F._linear_input_grad(dxw0, x0[:, :E], W[0][0][:, :E])
             for k in range(Lr):
                 if k:
                     _, dwih, dbih = F.linear_backward(dXW[k].reshape(B * T, GH),
@@ -516,7 +519,7 @@ class AttentionDecoder(Layer):
                 if rnn.bias:
                     gr[f"bias_ih_l{k}"] += dbih
                     gr[f"bias_hh_l{k}"] += dbhh
-            back_emb(dx0[:, :E].reshape(B, T, E))
+            back_emb(demb.reshape(B, T, E))
             out_state = [np.stack(dh)] + ([np.stack(dc)] if lstm else [])
             return result(out_state, keys_backward(dmem, dkeys))
         return (logits, cur), backprop

@@ -457,3 +457,30 @@ def test_embedding_accumulate_in_place_matches_embedding_backward(dt, rng):
     assert not acc.any()
     with pytest.raises(ValueError, match="ids: expected token ids in"):
         F._embedding_backward_into(np.zeros((n, E), dt), g, ids + n)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows, N, K, cols", [(1024, 768, 512, 256), (96, 48, 40, 17), (70, 33, 64, 64),
+                                              (8, 12, 9, 4)])
+def test_input_grad_of_a_column_slice_is_those_columns_of_dx(rows, N, K, cols, dtype, rng):
+    """functional._linear_input_grad with a slice of the weight's columns (the
+    decoder's embedding columns of W_ih): on the float32 packed kernel exactly
+    those columns of linear_backward's dx (each column its own product), on
+    the tiled products (float64, few rows) those columns to rounding;
+    _linear_weight_grads exactly linear_backward's dW and db; the float64
+    oracle agrees."""
+    g = randn(rng, (rows, N), dtype)
+    x = randn(rng, (rows, K), dtype)
+    w, b = randn(rng, (N, K), dtype), randn(rng, (N,), dtype)
+    dx, dw, db = linear_backward(g, x, w, b)
+    part = F._linear_input_grad(g, x[:, :cols], w[:, :cols])
+    assert part.dtype == dtype and part.shape == (rows, cols)
+    if dtype == np.float32 and _proj.packs_transposed(rows, K, N):
+        np.testing.assert_array_equal(part, dx[:, :cols])
+    else:
+        assert_close(part, dx[:, :cols].astype(np.float64), dtype)
+    dw2, db2 = F._linear_weight_grads(g, x, w, b)
+    np.testing.assert_array_equal(dw2, dw)
+    np.testing.assert_array_equal(db2, db)
+    want = g.astype(np.float64) @ w[:, :cols].astype(np.float64)
+    assert_close(part, want, dtype)
