@@ -4,7 +4,9 @@ fastattn against torch in the same run, 2 threads, float32.
 * ``encoder``: ``TransformerEncoderLayer`` B=32 T=128 E=256 H=4 FF=1024
   (post-norm, relu, dropout 0.1, key padding: a quarter of the rows end
   early), masked mean pooling, ``Linear(256, 2)``, cross-entropy, Adam.
-  fastattn: the layers' ``forward_backward``, ``fastattn.losses.cross_entropy``,
+  fastattn: the layers' ``forward_backward`` (``input_grad=False``: the input
+  is data, as torch's, which has no ``requires_grad``, so neither computes its
+  gradient), ``fastattn.losses.cross_entropy``,
   ``fastattn.optim.Adam``; torch: the same modules (weights copied from
   fastattn's), ``nn.functional.cross_entropy``, ``torch.optim.Adam``.  torch's
   dropout on the attention weights (``self_attn.dropout``) is set to 0, as
@@ -65,7 +67,8 @@ class FastattnEncoder:
     def step(self, x, mask, y):
         self.enc.zero_grad()
         self.head.zero_grad()
-        h, b_enc = self.enc.forward_backward(x, key_mask=mask)
+        # x is data: no input gradient (torch's x has no requires_grad either)
+        h, b_enc = self.enc.forward_backward(x, key_mask=mask, input_grad=False)
         p, b_pool = self.pool.forward_backward(h, mask)
         logits, b_head = self.head.forward_backward(p)
         loss, g = losses.cross_entropy(logits, y)

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _alloc, _proj, _threads
-from ._linear import linear_backward
+from ._linear import _linear_weight_grads, linear_backward
 from ._masks import MASK_ADD, MASK_BOOL, kernel_mask
 from ._validation import (
     BLAS_INT_MAX,
@@ -654,6 +654,7 @@ def multi_head_attention_forward_backward(
     causal_alignment="top_left",
     n_threads=None,
     combine_roles=False,
+    input_grads=True,
 ):
     """:func:`multi_head_attention`'s output and its backward in one: ``(out,
     backward)``, ``backward(grad_out)`` returning what
@@ -670,6 +671,11 @@ def multi_head_attention_forward_backward(
     attention: ``(dx, None, None, dweights)``; key as value: ``(dq, dkv,
     None, dweights)``).  Self-attention with ``w_qkv`` then takes the three
     projections' backward as one product, which sums the roles itself.
+
+    ``input_grads=False``: the inputs' gradients are not computed (returned as
+    None; the weights' are), which saves the input projections' dx products
+    -- for inputs that need no gradient (data, as torch skips tensors without
+    ``requires_grad``).
     """
     p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
@@ -686,9 +692,11 @@ def multi_head_attention_forward_backward(
     given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
                  b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
     combine = _check_bool(combine_roles, "combine_roles")
+    need_dx = _check_bool(input_grads, "input_grads")
 
     def backward(grad_out):
-        return _backward(p, saved, _check_grad(p, grad_out), query, key, value, given, combine)
+        return _backward(p, saved, _check_grad(p, grad_out), query, key, value, given, combine,
+                         need_dx)
     return y, backward
 
 
@@ -708,8 +716,18 @@ def _train_forward(p):
     return q, k, v, mask, out_view, attn, sc, lse
 
 
-def _backward(p, saved, g, query, key, value, given, combine):
-    """The gradients from a prepared call, _train_forward's results and grad_out (B Lq, E_out)."""
+def _input_projection_backward(g, x, w, b, nt, need_dx):
+    """linear_backward of an input projection, or (without need_dx) only its
+    weight gradients (the same floats)."""
+    if need_dx:
+        return linear_backward(g, x, w, b, n_threads=nt)
+    dw, db = _linear_weight_grads(g, x, w, b, n_threads=nt)
+    return None, dw, db
+
+
+def _backward(p, saved, g, query, key, value, given, combine, need_dx=True):
+    """The gradients from a prepared call, _train_forward's results and grad_out
+    (B Lq, E_out); without need_dx the inputs' (None) are not computed."""
     B, Lq, Lk, E, H, Hkv, dh, cdt = p.B, p.Lq, p.Lk, p.E, p.H, p.Hkv, p.dh, p.cdt
     q, k, v, mask, out_view, attn, sc, lse = saved
     attn2 = attn.reshape(B * Lq, E)
@@ -757,7 +775,7 @@ def _backward(p, saved, g, query, key, value, given, combine):
         # one array in all three roles: one product for the three projections,
         # whose dx is the sum of the three roles' (summed inside the GEMM)
         xq = p.q.reshape(-1, p.q.shape[-1])
-        dx, dw, db = linear_backward(dQKV, xq, p.w_qkv, p.b_qkv, n_threads=nt)
+        dx, dw, db = _input_projection_backward(dQKV, xq, p.w_qkv, p.b_qkv, nt, need_dx)
         grads["w_qkv"] = dw
         if b_qkv is not None:
             grads["b_qkv"] = db
@@ -766,9 +784,9 @@ def _backward(p, saved, g, query, key, value, given, combine):
     else:
         # input projections: qb = x_q W_q^T + b_q, ...
         xq, xk, xv = (a.reshape(-1, a.shape[-1]) for a in (p.q, p.k, p.v))
-        dxq, dwq, dbq = linear_backward(dQ, xq, p.w_q, p.b_q, n_threads=nt)
-        dxk, dwk, dbk = linear_backward(dK, xk, p.w_k, p.b_k, n_threads=nt)
-        dxv, dwv, dbv = linear_backward(dV, xv, p.w_v, p.b_v, n_threads=nt)
+        dxq, dwq, dbq = _input_projection_backward(dQ, xq, p.w_q, p.b_q, nt, need_dx)
+        dxk, dwk, dbk = _input_projection_backward(dK, xk, p.w_k, p.b_k, nt, need_dx)
+        dxv, dwv, dbv = _input_projection_backward(dV, xv, p.w_v, p.b_v, nt, need_dx)
         if w_qkv is not None:
             grads["w_qkv"] = np.concatenate([dwq, dwk, dwv], axis=0)
             if b_qkv is not None:
@@ -787,6 +805,8 @@ def _backward(p, saved, g, query, key, value, given, combine):
 
     dweights = {name: d.astype(grad_dtype(given[name], cdt), copy=False)
                 for name, d in grads.items()}
+    if not need_dx:
+        return None, None, None, dweights
     if combine and dxk is not None:
         if query is key and key is value:
             dxq, dxk, dxv = dxq + dxk + dxv, None, None

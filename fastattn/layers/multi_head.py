@@ -451,7 +451,8 @@ class MultiHeadAttention(Layer):
                    "b_out": "out_proj.bias"}
 
     def forward_backward(self, query, key=None, value=None, *, attn_mask=None, key_mask=None,
-                         is_causal=False, causal_alignment="top_left", n_threads=None):
+                         is_causal=False, causal_alignment="top_left", n_threads=None,
+                         input_grad=True):
         """``(out, backprop)`` for :meth:`__call__`'s arguments (no weights
         returned).  ``backprop(grad_out)`` adds every weight's and bias's
         gradient into :attr:`grads` and returns one gradient per input given:
@@ -461,7 +462,9 @@ class MultiHeadAttention(Layer):
         keeps the projections and the attention's output and row log-sum-exp
         (:func:`fastattn.functional.multi_head_attention_forward_backward`,
         O(L) memory); the inputs must not change before ``backprop`` is
-        called."""
+        called.  ``input_grad=False``: the inputs need no gradient (data, as
+        a torch tensor without ``requires_grad``): backprop returns None for
+        each and skips the input projections' dx products."""
         if self._prepared is not None and self._cached_weights() is _STALE:
             self._prepared = None   # a layer in training holds no stale packed copy
         kw = dict(attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
@@ -472,7 +475,7 @@ class MultiHeadAttention(Layer):
         v = k if value is None else value
         out, backward = functional.multi_head_attention_forward_backward(
             q, k, v, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **kw,
-            combine_roles=n_given == 1, **self._weights())
+            combine_roles=n_given == 1, input_grads=input_grad, **self._weights())
 
         def backprop(grad_out):
             dq, dk, dv, dw = backward(grad_out)

@@ -92,8 +92,13 @@ class TransformerEncoderLayer(Layer):
     def _act(self, h):
         return F.relu(h) if self._config["activation"] == "relu" else F.gelu(h)
 
-    def forward_backward(self, x, *, key_mask=None, attn_mask=None, is_causal=False, _infer=False):
-        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (masks get none)."""
+    def forward_backward(self, x, *, key_mask=None, attn_mask=None, is_causal=False,
+                         input_grad=True, _infer=False):
+        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (masks get none).
+        ``input_grad=False``: ``x`` needs no gradient (data, as a torch tensor
+        without ``requires_grad``): ``(None,)``, and with post-norm the
+        attention's input projection skips its dx product (norm_first still
+        needs it, for norm1's weights)."""
         fb = (lambda layer, *a, **k: (layer(*a, **k), None)) if _infer else \
             (lambda layer, *a, **k: layer.forward_backward(*a, **k))
         # errors name x, not query (MultiHeadAttention's name), as SelfAttention's
@@ -102,7 +107,13 @@ class TransformerEncoderLayer(Layer):
         pre = self._config["norm_first"]
         # the attention block
         a_in, b_n1 = fb(self.norm1, x) if pre else (x, None)
-        sa, b_sa = fb(self.self_attn, a_in, **mkw)
+        if not isinstance(input_grad, (bool, np.bool_)):
+            raise TypeError(f"input_grad: expected a bool, got {type(input_grad).__name__}")
+        need_dx = bool(input_grad)
+        if _infer:
+            sa, b_sa = fb(self.self_attn, a_in, **mkw)
+        else:   # post-norm without input_grad: no dx through the attention either
+            sa, b_sa = self.self_attn.forward_backward(a_in, input_grad=need_dx or pre, **mkw)
         sa, b_d1 = fb(self.dropout1, sa)
         h = x + sa
         if not pre:
@@ -159,7 +170,7 @@ class TransformerEncoderLayer(Layer):
             (gx,) = b_sa(gs)
             if pre:
                 (gx,) = b_n1(gx)
-            return (gx + gh,)
+            return (gx + gh,) if need_dx else (None,)
         return out, backprop
 
     @classmethod
@@ -231,12 +242,14 @@ class TransformerEncoder(Layer):
             x = layer(x, key_mask=key_mask, attn_mask=attn_mask, is_causal=is_causal)
         return x if self.norm is None else self.norm(x)
 
-    def forward_backward(self, x, *, key_mask=None, attn_mask=None, is_causal=False):
-        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)``."""
+    def forward_backward(self, x, *, key_mask=None, attn_mask=None, is_causal=False,
+                         input_grad=True):
+        """``(out, backprop)``; ``backprop(grad_out)`` → ``(dx,)`` (``(None,)``
+        with ``input_grad=False``: see TransformerEncoderLayer)."""
         backs = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, b = layer.forward_backward(x, key_mask=key_mask, attn_mask=attn_mask,
-                                          is_causal=is_causal)
+                                          is_causal=is_causal, input_grad=input_grad or i > 0)
             backs.append(b)
         if self.norm is not None:
             x, b = self.norm.forward_backward(x)

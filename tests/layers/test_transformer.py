@@ -147,3 +147,44 @@ def test_training_dropout_is_the_sublayers_composed(activation, norm_first, rng)
     ref_grads = dict(ref.named_grads())
     for name, gr in enc.named_grads():
         np.testing.assert_array_equal(gr, ref_grads[name], err_msg=name)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_input_grad_false_skips_dx_keeps_the_weight_gradients(norm_first, rng):
+    """``input_grad=False`` (data that needs no gradient, a torch tensor
+    without requires_grad): backprop returns (None,), and every weight
+    gradient has the bits of the input_grad=True call -- for the layer, a
+    stack (only its first layer skips) and MultiHeadAttention itself; a
+    non-bool is refused by name."""
+    import copy
+    from fastattn.layers import MultiHeadAttention
+    x = randn(rng, (2, 7, 16), np.float32)
+    g = randn(rng, (2, 7, 16), np.float32)
+    mask = np.ones((2, 7), bool)
+    mask[0, 5:] = False
+    for make in (lambda: TransformerEncoderLayer(16, 2, 24, dropout=0.2, norm_first=norm_first,
+                                                 seed=5),
+                 lambda: TransformerEncoder(
+                     TransformerEncoderLayer(16, 2, 24, dropout=0.2, norm_first=norm_first,
+                                             seed=5), 2)):
+        a = make()
+        b = copy.deepcopy(a)
+        out_a, back_a = a.forward_backward(x, key_mask=mask)
+        out_b, back_b = b.forward_backward(x, key_mask=mask, input_grad=False)
+        np.testing.assert_array_equal(out_a, out_b)
+        (dx,) = back_a(g)
+        assert dx is not None and dx.shape == x.shape
+        assert back_b(g) == (None,)
+        gb = dict(b.named_grads())
+        for name, ga in a.named_grads():
+            np.testing.assert_array_equal(ga, gb[name], err_msg=name)
+    m = MultiHeadAttention(16, 4, seed=1)
+    m2 = copy.deepcopy(m)
+    _, bk = m.forward_backward(x)
+    _, bk2 = m2.forward_backward(x, input_grad=False)
+    assert bk(g)[0] is not None and bk2(g) == (None,)
+    g2 = dict(m2.named_grads())
+    for name, ga in m.named_grads():
+        np.testing.assert_array_equal(ga, g2[name], err_msg=name)
+    with pytest.raises(TypeError, match="input_grad"):
+        TransformerEncoderLayer(16, 2, 24, seed=5).forward_backward(x, input_grad="no")
