@@ -677,6 +677,8 @@ def multi_head_attention_forward_backward(
     -- for inputs that need no gradient (data, as torch skips tensors without
     ``requires_grad``).
     """
+    combine = _check_bool(combine_roles, "combine_roles")
+    need_dx = _check_bool(input_grads, "input_grads")
     p = _prepare(query, key, value, num_heads, w_qkv, b_qkv, w_query, w_key, w_value,
                  b_query, b_key, b_value, w_out, b_out, attn_mask, key_mask, is_causal,
                  False, True, num_kv_heads, scale, causal_alignment, n_threads)
@@ -691,8 +693,6 @@ def multi_head_attention_forward_backward(
 
     given = dict(w_qkv=w_qkv, b_qkv=b_qkv, w_query=w_query, w_key=w_key, w_value=w_value,
                  b_query=b_query, b_key=b_key, b_value=b_value, w_out=w_out, b_out=b_out)
-    combine = _check_bool(combine_roles, "combine_roles")
-    need_dx = _check_bool(input_grads, "input_grads")
 
     def backward(grad_out):
         return _backward(p, saved, _check_grad(p, grad_out), query, key, value, given, combine,

@@ -227,7 +227,8 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, we
         z, t = z[None], t[None]
     wb = None if w is None else w.reshape((1, C) + (1,) * (z.ndim - 2))  # on the class axis
 
-    if not probs and w is None and not eps and z.ndim == 2 and z.shape[0]:
+    if not probs and w is None and not eps and z.ndim == 2 and z.shape[0] and \
+            -2 ** 63 <= ii < 2 ** 63:
         # the common case (class indices, no weights, no smoothing, (N, C)) in
         # one pass per row in C (fastattn._rowwise: the same steps as below,
         # rows on fastattn's threads)

@@ -465,6 +465,8 @@ class MultiHeadAttention(Layer):
         called.  ``input_grad=False``: the inputs need no gradient (data, as
         a torch tensor without ``requires_grad``): backprop returns None for
         each and skips the input projections' dx products."""
+        if not isinstance(input_grad, (bool, np.bool_)):
+            raise TypeError(f"input_grad: expected a bool, got {type(input_grad).__name__}")
         if self._prepared is not None and self._cached_weights() is _STALE:
             self._prepared = None   # a layer in training holds no stale packed copy
         kw = dict(attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,

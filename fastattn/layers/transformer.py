@@ -103,13 +103,13 @@ class TransformerEncoderLayer(Layer):
             (lambda layer, *a, **k: layer.forward_backward(*a, **k))
         # errors name x, not query (MultiHeadAttention's name), as SelfAttention's
         x = as_float_input(x, "x", (2, 3), last=self._config["d_model"])
+        if not isinstance(input_grad, (bool, np.bool_)):
+            raise TypeError(f"input_grad: expected a bool, got {type(input_grad).__name__}")
+        need_dx = bool(input_grad)
         mkw = dict(key_mask=key_mask, attn_mask=attn_mask, is_causal=is_causal)
         pre = self._config["norm_first"]
         # the attention block
         a_in, b_n1 = fb(self.norm1, x) if pre else (x, None)
-        if not isinstance(input_grad, (bool, np.bool_)):
-            raise TypeError(f"input_grad: expected a bool, got {type(input_grad).__name__}")
-        need_dx = bool(input_grad)
         if _infer:
             sa, b_sa = fb(self.self_attn, a_in, **mkw)
         else:   # post-norm without input_grad: no dx through the attention either

@@ -188,3 +188,9 @@ def test_input_grad_false_skips_dx_keeps_the_weight_gradients(norm_first, rng):
         np.testing.assert_array_equal(ga, g2[name], err_msg=name)
     with pytest.raises(TypeError, match="input_grad"):
         TransformerEncoderLayer(16, 2, 24, seed=5).forward_backward(x, input_grad="no")
+    with pytest.raises(TypeError, match="input_grad"):
+        m.forward_backward(x, input_grad=1)
+    from fastattn import functional as F
+    with pytest.raises(TypeError, match="input_grads"):
+        F.multi_head_attention_forward_backward(x, x, x, num_heads=4, input_grads=None,
+                                                **m._weights())
