@@ -251,7 +251,7 @@ class MeanPooling(Layer):
 
         def backprop(grad_out):
             g = check_grad_array(grad_out, "grad_out", out.shape)
-            return (w[:, :, None] * g[:, None, :]).astype(x.dtype), None
+            return (w[:, :, None] * g[:, None, :]).astype(x.dtype, copy=False), None
         return out, backprop
 
 
@@ -454,7 +454,7 @@ class AttentionPooling(Layer):
             gr = self.grads
             gr["W_s1"] += dw1
             gr["W_s2"] += dw2
-            return (dx + dx_s).astype(x.dtype), None
+            return (dx + dx_s).astype(x.dtype, copy=False), None
         return (out, P), backprop
 
 
