@@ -248,6 +248,11 @@ SMT static void SM(pack_kt)(int64_t n, int64_t d, ELT scale, const ELT *K, int64
         for (int64_t h = 0; h < PW; h += W) {
             int64_t j = p0 + h;
             int64_t c = 0;
+            if (j >= n) {  /* a panel's padding half: zeros (no scalar loop) */
+                for (; c < d; c++)
+                    STOREU(panel + c * PW + h, ZERO());
+                continue;
+            }
             if (j + W <= n)
                 for (; c + W <= d; c += W)
                     SM(transpose_block)(K + j * ldk + c, ldk, panel + c * PW + h, PW, vs);
@@ -332,6 +337,60 @@ SMT static inline void SM(pb_6x2)(int64_t k, const ELT *b, const ELT *const *p, 
     }
 }
 
+/* pb_6x2 for a panel with at most W valid columns (rem <= W): only its first
+ * vector of columns is multiplied (the padding half is never read).  Each
+ * output is the same sequential FMA chain over k as pb_6x2's: the same bits. */
+SMT static inline void SM(pb_6x1)(int64_t k, const ELT *b, const ELT *const *p, ELT *C,
+                                   int64_t ldc, int nrows, int64_t rem, int acc)
+{
+    VEC a0 = ZERO(), a1 = ZERO(), a2 = ZERO(), a3 = ZERO(), a4 = ZERO(), a5 = ZERO();
+    const ELT *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5];
+    for (int64_t j = 0; j < k; j++) {
+        VEC v0 = LOADU(b + j * PW);
+        a0 = FMADD(SET1(p0[j]), v0, a0);
+        a1 = FMADD(SET1(p1[j]), v0, a1);
+        a2 = FMADD(SET1(p2[j]), v0, a2);
+        a3 = FMADD(SET1(p3[j]), v0, a3);
+        a4 = FMADD(SET1(p4[j]), v0, a4);
+        a5 = FMADD(SET1(p5[j]), v0, a5);
+    }
+    VEC r[6] = {a0, a1, a2, a3, a4, a5};
+    for (int i = 0; i < nrows; i++) {
+        VEC lo = r[i];
+        if (acc)
+            lo = ADD(lo, SM(load_part)(C + i * ldc, rem));
+        SM(store_part)(C + i * ldc, lo, rem);
+    }
+}
+
+#ifdef SM_ROWS8
+/* pb_8x2 for a panel with at most W valid columns (rem <= W), as pb_6x1. */
+SMT static inline void SM(pb_8x1)(int64_t k, const ELT *b, const ELT *A, int64_t lda, ELT *C,
+                                   int64_t ldc, int64_t rem, int acc)
+{
+    VEC a[8];
+    const ELT *p[8];
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < 8; r++) {
+        a[r] = ZERO();
+        p[r] = A + r * lda;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        VEC v0 = LOADU(b + j * PW);
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++)
+            a[r] = FMADD(SET1(p[r][j]), v0, a[r]);
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < 8; r++) {
+        VEC lo = a[r];
+        if (acc)
+            lo = ADD(lo, SM(load_part)(C + r * ldc, rem));
+        SM(store_part)(C + r * ldc, lo, rem);
+    }
+}
+#endif
+
 #ifdef SM_ROWS8
 /* 8 whole rows x one panel, for 32-register (AVX-512) CPUs: 16 accumulators
  * halve the panel loads per FMA, and 8 rows divide the usual tile heights.
@@ -396,9 +455,14 @@ SMT static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, i
         int64_t rem = ncols - p0;
         int64_t i = 0;
 #ifdef SM_ROWS8
-        if (!lim)   /* lim is kept per block of 6 rows (FA_PACK_ROWS) */
-            for (; i + 8 <= m; i += 8)
-                SM(pb_8x2)(k, b, A + i * lda, lda, C + i * ldc + p0, ldc, rem, acc);
+        if (!lim) {  /* lim is kept per block of 6 rows (FA_PACK_ROWS) */
+            if (rem <= W)
+                for (; i + 8 <= m; i += 8)
+                    SM(pb_8x1)(k, b, A + i * lda, lda, C + i * ldc + p0, ldc, rem, acc);
+            else
+                for (; i + 8 <= m; i += 8)
+                    SM(pb_8x2)(k, b, A + i * lda, lda, C + i * ldc + p0, ldc, rem, acc);
+        }
 #endif
         for (; i < m; i += 6) {
             int64_t kk = k;
@@ -414,7 +478,10 @@ SMT static void SM(gemm_pb)(int64_t m, int64_t ncols, int64_t k, const ELT *A, i
             const ELT *p[6];
             for (int r = 0; r < 6; r++)
                 p[r] = A + (i + (r < nr ? r : 0)) * lda;
-            SM(pb_6x2)(kk, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
+            if (rem <= W)
+                SM(pb_6x1)(kk, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
+            else
+                SM(pb_6x2)(kk, b, p, C + i * ldc + p0, ldc, nr, rem, acc);
         }
     }
 }

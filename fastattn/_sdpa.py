@@ -67,7 +67,7 @@ STREAM_OWN_PRODUCTS = True  # False: BLAS tiles even with SIMD (for comparisons)
 BLOCK_Q_MAX = 256
 BLOCK_Q_MIN = 32
 # Below this many flops a call runs on the calling thread alone.
-PARALLEL_MIN_FLOPS = 2_000_000
+PARALLEL_MIN_FLOPS = 500_000
 
 _PATH_SINGLE = _kernels.PATH_SINGLE
 _PATH_STREAM = _kernels.PATH_STREAM

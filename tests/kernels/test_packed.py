@@ -1,7 +1,8 @@
 """The streaming path's packed register-blocked products at awkward sizes.
 
 Key tiles are forced small (BLOCK_K monkeypatched) so that every call walks
-several tiles with partial panels: row counts that are not multiples of the
+several tiles with partial panels (a panel with at most one vector of valid
+columns takes the one-vector kernels pb_8x1 / pb_6x1): row counts that are not multiples of the
 6-row block, head widths that are not multiples of a vector, value widths that
 leave a partial 16-column (float) / 8-column (double) panel, and a last tile
 shorter than the others.
@@ -24,6 +25,8 @@ SIZES = [  # (Lq, Lk, d, dv)
     (19, 50, 17, 33),
     (12, 47, 64, 64),
     (31, 100, 65, 40),
+    (16, 16, 64, 64),   # one half-panel of keys: the one-vector kernels, 8-row blocks
+    (22, 48, 64, 64),   # a full panel then a half one; 8 + 8 + 6 rows
 ]
 
 
