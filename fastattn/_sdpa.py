@@ -106,9 +106,17 @@ def _plain_plan(batch, Lq, Lk, d, dv, n_threads, causal, dtype):
     return bq, bk, path, no_blas, nt
 
 
+#: _sdpa_canonical's remembered plans: (batch, Lq, Lk, d, dv, want_weights,
+#: n_threads, causal, itemsize, SIMD active) -> _plan's result (at most
+#: _CANON_PLANS_MAX; _clear_plans forgets them with the kernels' own)
+_CANON_PLANS: dict = {}
+_CANON_PLANS_MAX = 256
+
+
 def _clear_plans():
     """Forget remembered plans (tests that change the planning constants)."""
     _kernels.clear_fast_plans()
+    _CANON_PLANS.clear()
 
 
 def _plan(batch_shape, Lq, Lk, d, dv, want_weights, n_threads, causal, itemsize, why=False):
@@ -386,8 +394,14 @@ def _sdpa_canonical(q, k, v, mask, batch, causal, causal_offset, scale, out, wan
     else:
         kind = _masks.MASK_ADD
     weights = np.empty(batch + (Lq, Lk), dtype=dt) if want_weights else None
-    path, bq, bk, no_blas, nt, _ = _plan(batch, Lq, Lk, d, dv, want_weights, n_threads,
-                                         causal, dt.itemsize)
+    key = (batch, Lq, Lk, d, dv, want_weights, n_threads, causal, dt.itemsize,
+           _kernels.simd_active())
+    plan = _CANON_PLANS.get(key)
+    if plan is None:  # a layer calls with the same few shapes: plan each once
+        if len(_CANON_PLANS) >= _CANON_PLANS_MAX:
+            _CANON_PLANS.clear()
+        plan = _CANON_PLANS[key] = _plan(*key[:-1])
+    path, bq, bk, no_blas, nt, _ = plan
     _threads.ensure_blas_hook()
     rc = _kernels.sdpa(q, k, v, mask, kind, out, weights, batch, causal, causal_offset,
                        scale, bq, bk, path, no_blas, nt)
