@@ -6,9 +6,9 @@ TorchClassifier, the same weights), 2 threads, float32.
   of 32 reviews of 82 characters (the training split's mean batch length) --
   what train.py and train_torch.py repeat 435 times an epoch.
 * ``predict``: one 60-character review through the model in eval mode after
-  loading (predict.py's ``Classifier.predict``: tokens, ids, forward, softmax,
-  weights; fastattn at 1 thread as predict.py runs it), torch under
-  ``inference_mode``.
+  loading (predict.py's ``Classifier.predict``: tokens, ids, every ensemble
+  member's forward and softmax, their mean, weights; fastattn at 1 thread as
+  predict.py runs it), torch under ``inference_mode``.
 
 Before timing, the two models' logits on the batch are compared (eval mode).
 
@@ -41,8 +41,8 @@ REVIEW = ("这家酒店的位置很好，离地铁站很近，房间也很干净
 assert len(REVIEW) == 60
 
 
-def _model():
-    return L.TextClassifier(V, 2, max_len=C.MAX_TOKENS, seed=0, **C.HPARAMS)
+def _model(seed=0):
+    return L.TextClassifier(V, 2, max_len=C.MAX_TOKENS, seed=seed, **C.HPARAMS)
 
 
 def _batch():
@@ -131,15 +131,17 @@ def test_train_step(benchmark, impl):
 
 @pytest.mark.parametrize("impl", list(_params("sentiment predict one 60-char review")))
 def test_predict_latency(benchmark, impl, tmp_path):
-    fa = _model()
-    benchmark.extra_info.update(kind="predict", case="sentiment", impl=impl)
+    n = C.TRAIN["ensemble"]                      # train.py's ensemble: every member runs
+    fa = [_model(C.member_seed(0, m)) for m in range(n)]
+    benchmark.extra_info.update(kind="predict", case="sentiment", impl=impl, members=n)
     chars = sorted(set(REVIEW))                  # the review's characters, then filler ones
     filler = (chr(c) for c in range(0x4e00, 0x9fff) if chr(c) not in chars)
     vocab = C.SPECIALS + chars + [next(filler) for _ in range(V - len(C.SPECIALS) - len(chars))]
     if impl == "fastattn":
-        fa.eval()
-        fastattn.save(fa, tmp_path / "model.npz")
-        C.write_meta(str(tmp_path), vocab, "char", {})
+        for m, model in enumerate(fa):
+            model.eval()
+            fastattn.save(model, tmp_path / C.member_file(m))
+        C.write_meta(str(tmp_path), vocab, "char", {}, members=n)
         from predict import Classifier
         clf = Classifier(str(tmp_path))
         with fastattn.threads(1):
@@ -147,12 +149,13 @@ def test_predict_latency(benchmark, impl, tmp_path):
             assert len(out[0]["weights"]) == 60
             _bench.time_benchmark(benchmark, lambda: clf.predict([REVIEW]))
     else:
-        t = _torch_model(fa).eval()
+        ts = [_torch_model(model).eval() for model in fa]
         index = {tok: i for i, tok in enumerate(vocab)}
 
         def fn():
             toks = C.tokenize(REVIEW, "char")
             ids, mask = C.pad_batch([np.array([index.get(x, C.UNK) for x in toks], np.int64)])
+            inputs = _torch_inputs(ids, mask)
             with torch.inference_mode():
-                return torch.softmax(t(*_torch_inputs(ids, mask)), -1)
+                return sum(torch.softmax(t(*inputs), -1) for t in ts) / len(ts)
         _bench.time_benchmark(benchmark, fn)

@@ -16,7 +16,7 @@ PAD, UNK = 0, 1
 SPECIALS = ["<pad>", "<unk>"]
 MAX_TOKENS = 256          # longer texts are cut (the reviews' 99th percentile is ~340 chars)
 MODEL_FORMAT = "fastattn-sentiment"
-MODEL_VERSION = 1
+MODEL_VERSION = 2       # 2: an ensemble, model-<m>.npz per member
 
 #: the model's hyper-parameters (chosen on the validation split, README)
 HPARAMS = dict(embed_dim=128, num_heads=4, num_layers=1, ff_dim=256, dropout=0.3,
@@ -24,7 +24,51 @@ HPARAMS = dict(embed_dim=128, num_heads=4, num_layers=1, ff_dim=256, dropout=0.3
                penalty=0.0, positions="learned", rnn_hidden=0, wide_buckets=1 << 20,
                wide_scale=100.0, wide_dropout=0.1)
 TRAIN = dict(epochs=3, batch_size=32, lr=1e-3, weight_decay=0.01, warmup=0.05,
-             clip=1.0, label_smoothing=0.0)
+             clip=1.0, label_smoothing=0.0, ensemble=3)
+
+
+def member_seed(seed, m):
+    """The seed of ensemble member ``m`` (initial weights, batches, dropout):
+    member 0 is the run's own ``seed``."""
+    return seed + 1000 * m
+
+
+def softmax64(logits):
+    z = np.asarray(logits, np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+class Ensemble:
+    """Members trained alone (``TRAIN["ensemble"]`` of them, each from its own
+    seed, each with its own best epoch) predicting together: the mean of their
+    class probabilities, returned as log-probabilities (logits to argmax and
+    softmax), and with ``return_weights`` the mean of their pooling weights."""
+
+    def __init__(self, members):
+        self.members = list(members)
+        if not self.members:
+            raise ValueError("members: expected at least one model, got none")
+
+    def eval(self):
+        for m in self.members:
+            m.eval()
+        return self
+
+    def __call__(self, ids, mask, return_weights=False):
+        probs, weights = 0.0, 0.0
+        for m in self.members:
+            if return_weights:
+                logits, w = m(ids, mask, return_weights=True)
+                weights = weights + np.asarray(w, np.float64)
+            else:
+                logits = m(ids, mask)
+            probs = probs + softmax64(logits)
+        n = len(self.members)
+        logp = np.log(np.maximum(probs / n, np.finfo(np.float64).tiny))
+        if return_weights:
+            return logp, weights / n
+        return logp
 
 
 class DataError(ValueError):
@@ -159,9 +203,13 @@ def pad_batch(seqs):
 
 
 # -------------------------------------------------------------- model dir
-def write_meta(out_dir, vocab, tokens, extra):
+def member_file(m):
+    return f"model-{m}.npz"
+
+
+def write_meta(out_dir, vocab, tokens, extra, members=1):
     meta = {"format": MODEL_FORMAT, "version": MODEL_VERSION, "tokens": tokens,
-            "max_tokens": MAX_TOKENS, **extra}
+            "max_tokens": MAX_TOKENS, "members": members, **extra}
     with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
     with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
@@ -169,8 +217,9 @@ def write_meta(out_dir, vocab, tokens, extra):
 
 
 def read_model_dir(model_dir):
-    """``(model, vocab, meta)`` from a directory train.py wrote; a directory of
-    another format or version is a :class:`DataError` saying so."""
+    """``(model, vocab, meta)`` from a directory train.py wrote (``model`` an
+    :class:`Ensemble` of its members); a directory of another format or
+    version is a :class:`DataError` saying so."""
     import fastattn
     meta_path = os.path.join(model_dir, "meta.json")
     try:
@@ -189,8 +238,17 @@ def read_model_dir(model_dir):
                         f"version {MODEL_VERSION}): train again with this train.py")
     with open(os.path.join(model_dir, "vocab.json"), encoding="utf-8") as f:
         vocab = json.load(f)
-    model = fastattn.load(os.path.join(model_dir, "model.npz"))
-    if model.get_config()["vocab_size"] != len(vocab):
-        raise DataError(f"{model_dir}: the model's vocab_size {model.get_config()['vocab_size']} "
-                        f"does not match vocab.json ({len(vocab)} tokens)")
-    return model, vocab, meta
+    n = meta.get("members")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DataError(f"{meta_path}: expected 'members' an integer >= 1, got {n!r}")
+    members = []
+    for m in range(n):
+        path = os.path.join(model_dir, member_file(m))
+        if not os.path.exists(path):
+            raise DataError(f"{model_dir}: {member_file(m)} is missing (meta.json lists {n} members)")
+        model = fastattn.load(path)
+        if model.get_config()["vocab_size"] != len(vocab):
+            raise DataError(f"{path}: the model's vocab_size {model.get_config()['vocab_size']} "
+                            f"does not match vocab.json ({len(vocab)} tokens)")
+        members.append(model)
+    return Ensemble(members), vocab, meta

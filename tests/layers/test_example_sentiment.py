@@ -15,7 +15,7 @@ from support import REPO_ROOT, run_child
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "sentiment")
 SMALL = ["--set", "embed_dim=32", "--set", "ff_dim=64", "--set", "num_heads=2",
          "--set", "ngram_buckets=512", "--set", "wide_buckets=512", "--set", "attn_dim=16", "--set", "dropout=0.1",
-         "--set", "batch_size=16", "--set", "lr=5e-3", "--set", "warmup=0.1"]
+         "--set", "batch_size=16", "--set", "lr=5e-3", "--set", "warmup=0.1", "--set", "ensemble=2"]
 
 
 def _write(path, rows):
@@ -68,11 +68,42 @@ def test_train_reaches_95_percent_without_torch(trained):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("test_acc", "valid_acc", "train_s", "epochs", "n_params"):
         assert key in res
-    assert res["epochs"] == 8 and res["impl"] == "fastattn"
-    assert res["test_acc"] >= 0.95, res          # 8 epochs of 30 steps; 0.975 when written
+    assert res["epochs"] == 8 and res["impl"] == "fastattn" and res["members"] == 2
+    assert res["test_acc"] >= 0.95, res          # 8 epochs of 30 steps, 2 members
+    assert len(res["member_test_acc"]) == len(res["best_epochs"]) == 2
     assert "torch imported: False" in r.stderr
-    assert "epoch 8/8" in r.stderr
-    assert sorted(os.listdir(out)) == ["meta.json", "model.npz", "vocab.json"]
+    assert "member 1/2, epoch 8/8" in r.stderr and "member 2/2, epoch 8/8" in r.stderr
+    assert sorted(os.listdir(out)) == ["meta.json", "model-0.npz", "model-1.npz", "vocab.json"]
+
+
+def test_predict_averages_the_members_probabilities(trained):
+    """predict.py's probability is the mean of the members' softmax, computed
+    here from each member alone in float64; its weights the mean of theirs."""
+    r, out, _ = trained
+    assert r.returncode == 0, r.stderr
+    import fastattn
+    vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
+    index = {t: i for i, t in enumerate(vocab)}
+    texts = ["the room was great and the staff", "it was awful , the food", "a book"]
+    p = _run("predict.py", ["--model", str(out)] + texts)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    members = [fastattn.load(str(out / f"model-{m}.npz")) for m in range(2)]
+    for text, got in zip(texts, res):
+        toks = text.lower().split()
+        ids = np.array([[index.get(t, 1) for t in toks]])
+        mask = np.ones_like(ids, bool)
+        probs, weights = [], []
+        for m in members:
+            m.eval()
+            logits, w = m(ids, mask, return_weights=True)
+            z = np.asarray(logits, np.float64)[0]
+            probs.append(np.exp(z - z.max()) / np.exp(z - z.max()).sum())
+            weights.append(np.asarray(w, np.float64)[0].mean(axis=0))
+        want = np.mean(probs, axis=0)
+        assert got["p_positive"] == pytest.approx(want[1], abs=1e-4)
+        np.testing.assert_allclose(got["weights"], np.mean(weights, axis=0), atol=1e-4)
+        assert got["label"] == int(np.argmax(want))
 
 
 def test_predict_labels_and_highlights(trained, tmp_path):
@@ -122,14 +153,19 @@ def test_model_dir_of_another_version(trained, tmp_path):
     assert r.returncode == 0, r.stderr
     old = tmp_path / "old"
     old.mkdir()
-    for name in ("model.npz", "vocab.json"):
+    for name in ("model-0.npz", "vocab.json"):
         (old / name).write_bytes((out / name).read_bytes())
     meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-    meta["version"] = 0
+    meta["version"] = 1
     (old / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     p = _run("predict.py", ["--model", str(old), "good"])
     assert p.returncode != 0
     assert "another version" in p.stderr and "meta.json" in p.stderr, p.stderr
+    meta["version"] = 2                     # this version, but a member file is missing
+    (old / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    p = _run("predict.py", ["--model", str(old), "good"])
+    assert p.returncode != 0 and "model-1.npz is missing" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
     p = _run("predict.py", ["--model", str(tmp_path), "good"])
     assert p.returncode != 0 and "not a model directory" in p.stderr, p.stderr
 
@@ -175,6 +211,7 @@ def test_train_torch_same_command_line_and_json(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["impl"] == "torch" and res["epochs"] == 8
     assert res["test_acc"] >= 0.95, res
+    assert res["members"] == 2 and len(res["member_test_acc"]) == 2
     assert sorted(os.listdir(tmp_path / "m")) == ["meta.json", "model.pt", "vocab.json"]
 
 
