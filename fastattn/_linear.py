@@ -67,6 +67,13 @@ NUMPY_MAX_ROWS_F64 = 4
 #: 2 threads, microseconds, median of 1000: (1000, 256) numpy 25.4 / _proj 11.0;
 #: (768, 512) 27.6 / 15.9; (768, 256) 17.2 / 8.4).  Same as _proj's threshold.
 PARALLEL_MIN_WEIGHTS = 131072
+#: products of at most this many multiply-adds (rows * N * K) stay with NumPy
+#: whatever their row count: OpenBLAS runs them on the calling thread (its
+#: threading starts at 4 * 65536), and fastattn's dispatch costs more than the
+#: work (AMD EPYC Zen 3, AVX2, one thread, median of 300, microseconds: 60 x 64
+#: -> 2 numpy 2.3 / _proj 13.5; 8 x 128 -> 64 7.2 / 13.6; the attention
+#: pooling's second product is the first of these)
+NUMPY_MAX_MACS = 65536
 #: kept for callers of the previous name: the float32 limit without the AVX2 kernel
 NUMPY_MAX_ROWS = NUMPY_MAX_ROWS_F32_BLAS
 
@@ -140,7 +147,8 @@ def linear(x, weight, bias=None, *, n_threads=None):
     (or float16), float64 otherwise; float16 when every argument is float16
     (computed in float32, as the attention functions do).  Returns a new array (..., out_features); inputs are
     never modified.  ``n_threads``: fastattn's thread count for products of
-    more than :func:`numpy_max_rows` rows (default: :func:`fastattn.get_num_threads`).
+    more than :func:`numpy_max_rows` rows and more than ``NUMPY_MAX_MACS``
+    multiply-adds (default: :func:`fastattn.get_num_threads`).
     float32 products of 64 rows or more (AVX2 on) pack ``weight`` for the
     projection kernel on every call, into a scratch buffer kept per calling
     thread (at most 16 MB; ``fastattn._proj.release_pack_buffer()`` frees
@@ -154,7 +162,7 @@ def linear(x, weight, bias=None, *, n_threads=None):
     wc = w.astype(cdt, copy=False)
     K, N = wc.shape[1], wc.shape[0]
     rows = xc.size // K if K else int(np.prod(xc.shape[:-1]))
-    few = rows <= numpy_max_rows(cdt)
+    few = rows <= numpy_max_rows(cdt) or rows * N * K <= NUMPY_MAX_MACS
     if few and cdt == _F32 and N * K >= PARALLEL_MIN_WEIGHTS and _proj.small_kernel_active():
         few = False  # a large weight matrix: both cores read it (see PARALLEL_MIN_WEIGHTS)
     if few or K == 0 or N == 0 or max(rows, K, N) > BLAS_INT_MAX:
@@ -183,7 +191,7 @@ class _PackedLinear:
     def __init__(self, weight, bias=None, n_threads=None):
         w = weight if isinstance(weight, np.ndarray) else as_array(weight, "weight")
         _, w, b, cdt, _ = _check_args(np.zeros((0, w.shape[-1] if w.ndim else 0), w.dtype), w, bias)
-        self.cdt, self.nt = cdt, _threads.resolve(n_threads)
+        self.cdt, self.n_threads = cdt, n_threads   # resolved at each call
         self.N, self.K = w.shape
         self.w = canonical_matrix_stack(w.astype(cdt, copy=False), cdt)
         self.b = None if b is None else np.ascontiguousarray(b, dtype=cdt)
@@ -195,14 +203,27 @@ class _PackedLinear:
             _proj.pack_f32(self.w, self.wp)
 
     def __call__(self, x):
+        nt = _threads.resolve(self.n_threads)
         if self.wp is None:
-            return linear(x, self.w, self.b, n_threads=self.nt)
+            return linear(x, self.w, self.b, n_threads=nt)
         rows = x.shape[0]
         y = np.empty((1, rows, self.N), self.cdt)
         if rows:
             _proj.linear(canonical_matrix_stack(x.reshape(1, rows, self.K), self.cdt), self.w,
-                         self.b, y, self.nt, self.wp)
+                         self.b, y, nt, self.wp)
         return y[0]
+
+    def worth_it(self, rows):
+        """Whether a product of ``rows`` rows should take the packed weights
+        (a layer's inference call) rather than :func:`linear`: more than one
+        row (a single row reads the weights once either way) and more than
+        ``NUMPY_MAX_MACS`` multiply-adds.  Measured on AMD EPYC Zen 3 (AVX2),
+        one thread, microseconds, min of 5 x 200, packed / :func:`linear` /
+        NumPy with one OpenBLAS thread: 60 x 128 -> 256 43.3 / 68.8 / 56.8;
+        60 x 256 -> 128 44.1 / 62.0 / 53.6; 16 x 128 -> 256 13.6 / 23.7 /
+        21.8; 128 x 128 -> 256 92.3 / 102.2 / 111.8."""
+        return (self.wp is not None and 1 < rows <= BLAS_INT_MAX
+                and rows * self.N * self.K > NUMPY_MAX_MACS)
 
 
 def _operand(a, cdt):

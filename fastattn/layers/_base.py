@@ -251,7 +251,8 @@ class Layer:
         """Say that parameter arrays of this layer or its children were written
         in place by something other than fastattn (``layer.params[name][...] =
         ...``, a NumPy ufunc with ``out=``): what a layer derives from its
-        parameters (MultiHeadAttention's packed projection weights) is rebuilt
+        parameters (MultiHeadAttention's packed projection weights, Linear's
+        packed weight) is rebuilt
         on the next call.  fastattn's own writers (the optimizers' ``step``,
         :meth:`load_state_dict`, :func:`fastattn.load`) need no such call, and
         neither does replacing an array (``layer.params[name] = new``).

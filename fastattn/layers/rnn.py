@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from .. import _stamps
 from .. import functional as F
 from ._base import Layer, _config_seed, _rng, as_float_input, check_bool, check_dtype, check_int
 
@@ -150,7 +151,47 @@ class Linear(Layer):
     def forward(self, x):
         """``x (..., in)`` → ``(..., out)``."""
         x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
-        return F.linear(x, self._params["weight"], self._params.get("bias"))
+        w, b = self._params["weight"], self._params.get("bias")
+        if x.dtype == np.float32:
+            packed = self._packed_weights(w, b)
+            if packed is not None:
+                K, N = packed.K, packed.N
+                rows = x.size // K if K else 0
+                if packed.worth_it(rows):
+                    return packed(x.reshape(rows, K)).reshape(x.shape[:-1] + (N,))
+        return F.linear(x, w, b)
+
+    def _packed_weights(self, w, b):
+        """The packed copy of ``weight`` (``F._PackedLinear``) that inference
+        calls of a float32 layer read, made on the first and remade when
+        ``params`` holds other arrays or fastattn wrote them since (an
+        optimizer's step, :meth:`params_changed`), as MultiHeadAttention's;
+        None without the packed kernel (SIMD off, no AVX2/FMA, float64) or for
+        parameters :func:`fastattn.functional.linear` would reject (it then
+        says why).  :meth:`forward_backward` never makes or reads it."""
+        stamp = _stamps.stamp
+        key = (getattr(w, "shape", None), getattr(w, "dtype", None), stamp(w),
+               getattr(b, "shape", None), getattr(b, "dtype", None), stamp(b))
+        c = self.__dict__.get("_packed")
+        if c is not None and c[0] is w and c[1] is b and c[2] == key:
+            return c[3]
+        self._packed = None   # a stale copy goes before the new one is made
+        packed = None
+        if (isinstance(w, np.ndarray) and w.dtype == np.float32
+                and (b is None or (isinstance(b, np.ndarray) and b.dtype == np.float32))):
+            try:
+                packed = F._PackedLinear(w, b)
+            except (TypeError, ValueError):
+                packed = None
+            if packed is not None and packed.wp is None:
+                packed = None
+        self._packed = (w, b, key, packed)
+        return packed
+
+    def __getstate__(self):   # pickling: the packed copy is remade on first use
+        state = dict(self.__dict__)
+        state.pop("_packed", None)
+        return state
 
     def forward_backward(self, x):
         """``(out, backprop)``: ``backprop(grad_out)`` adds ``dweight`` (and
