@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import threading
 import warnings
 
 from . import _kernels, _memory
@@ -97,6 +98,13 @@ _init_from_env()
 _hold = _kernels.pool_hold
 
 
+class _Depth(threading.local):
+    depth = 0   # 1 while this thread runs a cached call (nested ones skip the set-up)
+
+
+_local = _Depth()
+
+
 def cached_method(fn, *, returns_backprop=False):
     """``fn`` running with the cache as NumPy's handler and a hold open on
     fastattn's worker pool (its idle workers spin up to 500 us between the
@@ -108,13 +116,18 @@ def cached_method(fn, *, returns_backprop=False):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        prev = _memory.enter() if _enabled else None
-        _hold(1)   # the pool's idle workers stay awake between this call's kernels
-        try:
+        if _local.depth:   # inside another such call on this thread: set up already
             res = fn(*args, **kwargs)
-        finally:
-            _hold(-1)
-            _memory.exit(prev)
+        else:
+            prev = _memory.enter() if _enabled else None
+            _hold(1)   # the pool's idle workers stay awake between this call's kernels
+            _local.depth = 1
+            try:
+                res = fn(*args, **kwargs)
+            finally:
+                _local.depth = 0
+                _hold(-1)
+                _memory.exit(prev)
         if returns_backprop and type(res) is tuple and res and callable(res[-1]):
             res = res[:-1] + (cached_method(res[-1]),)   # the backprop, on the cache too
         return res
