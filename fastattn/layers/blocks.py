@@ -347,10 +347,16 @@ def _masked_softmax_last(s, mask):
     if mask is not None:
         s = np.where(mask[:, None, :], s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
+    fin = np.isfinite(m)
+    if not fin.all():
+        m = np.where(fin, m, 0.0)
     e = np.exp(s - m)
     z = e.sum(axis=-1, keepdims=True)
-    return np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
+    pos = z > 0
+    if pos.all():        # the common case: every row has an allowed position
+        e /= z
+        return e
+    return np.where(pos, e / np.where(pos, z, 1.0), 0.0)
 
 
 class AttentionPooling(Layer):

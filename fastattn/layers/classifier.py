@@ -51,18 +51,27 @@ def hash_ngrams(ids, mask, orders, buckets):
     if mask.shape != ids.shape:
         raise ValueError(f"mask: expected the shape of ids {ids.shape}, got {mask.shape}")
     B, L = ids.shape
-    out = []
+    if not orders:
+        return np.zeros((0, B, L), np.int64)
+    # h_n(t) = h_{n-1}(t - 1) * M + id_t + 1 (h_1 = id + 1): one shifted
+    # multiply-add per order up to the largest, the same values as the loop
+    # over the n ids of each n-gram; kept where position t is a real token
+    # and t >= n - 1 (real tokens come first in TextClassifier's masks).
+    out = np.zeros((len(orders), B, L), np.int64)
+    ids1 = ids.astype(np.uint64) + np.uint64(1)
+    h = ids1
+    want = {n: i for i, n in enumerate(orders)}
     with np.errstate(over="ignore"):
-        for n in orders:
-            h = np.zeros((B, L), np.uint64)
-            ok = mask.copy()
-            for j in range(n - 1, -1, -1):   # the id j positions back
-                sh = np.zeros((B, L), np.uint64)
-                sh[:, j:] = ids[:, :L - j].astype(np.uint64) + np.uint64(1)
-                h = h * _MULT + sh
-                ok[:, :j] = False
-            out.append(np.where(ok, (h % np.uint64(buckets)).astype(np.int64) + 1, 0))
-    return np.stack(out) if out else np.zeros((0, B, L), np.int64)
+        for n in range(2, orders[-1] + 1):
+            j = n - 1
+            if j >= L:
+                break
+            nh = np.zeros((B, L), np.uint64)
+            nh[:, j:] = h[:, j - 1:L - 1] * _MULT + ids1[:, j:]
+            h = nh
+            if n in want:
+                out[want[n], :, j:] = np.where(mask[:, j:], (h[:, j:] % np.uint64(buckets)).astype(np.int64) + 1, 0)
+    return out
 
 
 class TextClassifier(Layer):
