@@ -152,7 +152,7 @@ class Linear(Layer):
         """``x (..., in)`` → ``(..., out)``."""
         x = as_float_input(x, "x", range(1, 33), last=self._config["in_features"])
         w, b = self._params["weight"], self._params.get("bias")
-        if x.dtype == np.float32:
+        if x.dtype == np.float32 and self.auto_pack:
             packed = self._packed_weights(w, b)
             if packed is not None:
                 K, N = packed.K, packed.N
@@ -187,6 +187,19 @@ class Linear(Layer):
                 packed = None
         self._packed = (w, b, key, packed)
         return packed
+
+    @property
+    def auto_pack(self) -> bool:
+        """Whether inference calls read a packed copy of a float32 weight (default
+        True; as MultiHeadAttention's): False reads the arrays in place on every
+        call, for code that writes them in place without :meth:`params_changed`.
+        Not part of ``get_config``."""
+        return self.__dict__.get("_auto_pack", True)
+
+    @auto_pack.setter
+    def auto_pack(self, value):
+        self._auto_pack = check_bool(value, "auto_pack")
+        self._packed = None
 
     def __getstate__(self):   # pickling: the packed copy is remade on first use
         state = dict(self.__dict__)

@@ -171,3 +171,18 @@ def test_functional_linear_few_multiply_adds(rng, rows, k, n):
     assert got.dtype == np.float32
     ref = x.astype(np.float64) @ w.astype(np.float64).T + b
     assert_close(got, ref, np.float32)
+
+
+@needs_packed
+def test_auto_pack_off_reads_the_arrays(rng):
+    m = randomised(rng)
+    x = randn(rng, (5, 128), np.float32)
+    m(x)
+    assert packed_of(m) is not None
+    m.auto_pack = False
+    assert packed_of(m) is None
+    m._params["weight"][...] *= 3.0                        # no params_changed: read in place
+    assert_close(m(x), oracle(m, x), np.float32)
+    assert packed_of(m) is None
+    with pytest.raises(TypeError, match="auto_pack"):
+        m.auto_pack = "yes"
