@@ -8,10 +8,13 @@ baseline stays portable.
 """
 import glob
 import os
+import threading
+from collections import Counter
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 from setuptools.command.build_py import build_py as _build_py
 
 
@@ -24,6 +27,26 @@ class build_py(_build_py):
         dest = os.path.join(self.build_lib, "fastattn", "include")
         self.mkpath(dest)
         self.copy_file(os.path.join("csrc", "fastattn_plugin.h"), dest)
+
+class build_ext(_build_ext):
+    """``--parallel`` builds several extensions at once, and two extensions that
+    list the same C file (csrc/fa_pool.c, fa_simd.c, fa_proj.c) compile it to the
+    same object file under build_temp: one could link the object while the other
+    was rewriting it (seen once: ``_kernels.so: undefined symbol: fa_simd_level``
+    from the sanitizer build).  Those extensions take turns: each holds a lock
+    per shared C file (taken in sorted order) while it compiles and links;
+    extensions sharing nothing still build in parallel."""
+
+    def build_extension(self, ext):
+        locks = [_SOURCE_LOCKS[s] for s in sorted(set(ext.sources)) if s in _SOURCE_LOCKS]
+        for lock in locks:
+            lock.acquire()
+        try:
+            super().build_extension(ext)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
 
 CYTHON_DIRECTIVES = {
     "language_level": 3,
@@ -112,7 +135,11 @@ extensions = [
     ),
 ]
 
+# the C files that more than one extension compiles, each with its lock
+_SHARED = Counter(src for ext in extensions for src in set(ext.sources) if src.endswith(".c"))
+_SOURCE_LOCKS = {src: threading.Lock() for src, n in _SHARED.items() if n > 1}
+
 setup(
     ext_modules=cythonize(extensions, compiler_directives=CYTHON_DIRECTIVES),
-    cmdclass={"build_py": build_py},
+    cmdclass={"build_py": build_py, "build_ext": build_ext},
 )
