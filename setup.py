@@ -28,6 +28,7 @@ class build_py(_build_py):
         self.mkpath(dest)
         self.copy_file(os.path.join("csrc", "fastattn_plugin.h"), dest)
 
+
 class build_ext(_build_ext):
     """``--parallel`` builds several extensions at once, and two extensions that
     list the same C file (csrc/fa_pool.c, fa_simd.c, fa_proj.c) compile it to the

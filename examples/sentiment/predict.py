@@ -40,9 +40,7 @@ class Classifier:
         seqs = [np.array([self.index.get(t, C.UNK) for t in tk] or [C.UNK], np.int64) for tk in toks]
         ids, mask = C.pad_batch(seqs)
         logits, w = self.model(ids, mask, return_weights=True)
-        z = logits.astype(np.float64)
-        p = np.exp(z - z.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
+        p = C.softmax64(logits)   # the ensemble's mean probabilities (logits are their log)
         w = w.mean(axis=1)
         out = []
         for i, tk in enumerate(toks):

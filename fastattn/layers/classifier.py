@@ -70,7 +70,8 @@ def hash_ngrams(ids, mask, orders, buckets):
             nh[:, j:] = h[:, j - 1:L - 1] * _MULT + ids1[:, j:]
             h = nh
             if n in want:
-                out[want[n], :, j:] = np.where(mask[:, j:], (h[:, j:] % np.uint64(buckets)).astype(np.int64) + 1, 0)
+                bucket = (h[:, j:] % np.uint64(buckets)).astype(np.int64) + 1
+                out[want[n], :, j:] = np.where(mask[:, j:], bucket, 0)
     return out
 
 
